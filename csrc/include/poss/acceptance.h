@@ -1,0 +1,115 @@
+// The acceptance walk of tree_verify, written once for the CPU and the CUDA kernels.
+//
+// The walk is generic over a `Row` policy that owns the vocabulary-wide work on one row of target
+// logits (an argmax, or building the processed distribution). The CPU policy vectorises over V;
+// the CUDA policy is block-collective, and every thread of the block runs this same walk with the
+// same broadcast values, so control flow stays uniform.
+#pragma once
+
+#include <cstdint>
+
+#include "poss/macros.h"
+#include "poss/tree.h"
+
+namespace poss {
+
+// Where one request's results go.
+// Only the `writer` (thread 0 of a CUDA block; always true on the CPU) stores anything.
+struct WalkOutput {
+  int32_t* accept_nodes;  // [n]: root first, then the accepted nodes, then -1
+  int32_t* accept_len;    // [1]: accepted draft tokens (root not counted)
+  int64_t* next_token;    // [1]: the bonus / correction token
+  bool writer;
+
+  POSS_HD void finish(int32_t n, int32_t len, int64_t next) const {
+    if (!writer) return;
+    accept_nodes[0] = 0;
+    for (int32_t i = len + 1; i < n; ++i) accept_nodes[i] = -1;
+    *accept_len = len;
+    *next_token = next;
+  }
+  POSS_HD void push(int32_t len, int32_t node) const {
+    if (writer) accept_nodes[len] = node;
+  }
+};
+
+// Per-request sampling parameters, already validated.
+struct SamplingParams {
+  float temperature;  // > 0
+  int32_t top_k;      // 0 = off
+  float top_p;        // in (0, 1]; 1 = off
+};
+
+POSS_HD bool is_greedy(float temperature) { return !(temperature > 0.0f); }
+
+// The accept test for a deterministic draft child (q(x) = 1): accept x with probability
+// p(x) / remaining mass. A zero-mass child (already rejected or outside top-k/top-p) is never
+// accepted, even when u = 0.
+POSS_HD bool accept_child(float u, double w, double remaining) {
+  return w > 0.0 && static_cast<double>(u) * remaining < w;
+}
+
+// Greedy: descend to the first child (node order) whose token equals the argmax of the current
+// node's row; the argmax at the last accepted node is the next token.
+//   Row::argmax(node) -> int64_t (ties to the lowest id)
+template <class Row>
+POSS_HD void greedy_walk(TreeView t, Row& row, WalkOutput out) {
+  int32_t cur = 0, len = 0;
+  int64_t best = row.argmax(cur);
+  for (int32_t c = first_child(t, cur); c >= 0;) {
+    if (t.tokens[c] == best) {
+      out.push(++len, c);
+      cur = c;
+      best = row.argmax(cur);
+      c = first_child(t, cur);
+    } else {
+      c = next_child(t, cur, c);
+    }
+  }
+  out.finish(t.n, len, best);
+}
+
+// Sampling (EAGLE / SGLang "target only" rule for deterministic top-k drafts). At each node the
+// row policy builds p = top_p(top_k(softmax(logits / T))) unnormalised; children are tried in
+// node order, each with its own uniform u[child]; a rejected child's mass is removed. With no
+// child accepted (or at a leaf) the next token is drawn from what remains with u[n].
+//   Row::prepare(node, params) -> double   total mass of the processed distribution
+//   Row::weight(token) -> double           unnormalised mass of a token
+//   Row::remove(token)                     zero a token's mass
+//   Row::sample(u) -> int64_t              inverse-CDF draw over what is left; -1 if nothing is
+template <class Row>
+POSS_HD void sampling_walk(TreeView t, Row& row, const float* u, SamplingParams sp,
+                           WalkOutput out) {
+  int32_t cur = 0, len = 0;
+  int64_t next = -1;
+  for (;;) {
+    double remaining = row.prepare(cur, sp);
+    int32_t accepted = -1;
+    int64_t last_rejected = -1;
+    for (int32_t c = first_child(t, cur); c >= 0; c = next_child(t, cur, c)) {
+      const int64_t x = t.tokens[c];
+      const double w = row.weight(x);
+      if (accept_child(u[c], w, remaining)) {
+        accepted = c;
+        break;
+      }
+      if (w > 0.0) {
+        remaining -= w;
+        row.remove(x);
+        last_rejected = x;
+      }
+    }
+    if (accepted < 0) {
+      next = row.sample(u[t.n]);
+      // Only rounding can leave no mass after rejections: the last rejected sibling then held
+      // all of it, and is the exact answer.
+      if (next < 0) next = last_rejected;
+      break;
+    }
+    out.push(++len, accepted);
+    cur = accepted;
+  }
+  out.finish(t.n, len, next);
+}
+
+}  // namespace poss

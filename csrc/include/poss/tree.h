@@ -1,0 +1,66 @@
+// The tree encoding shared by every poss op, and the helpers that read it. Host and device code
+// both include this file, so the CPU tests exercise the same logic the GPU runs.
+//
+// Per request: N nodes in topological order. Node 0 is the root (the last committed token),
+// parents[0] = -1 and 0 <= parents[i] < i for every real node i >= 1. Padding nodes carry
+// parents = -2 and come only after the real nodes.
+#pragma once
+
+#include <cstdint>
+
+#include "poss/macros.h"
+
+namespace poss {
+
+constexpr int32_t kRootParent = -1;
+constexpr int32_t kPadParent = -2;
+
+// A read-only view of one request's tree.
+struct TreeView {
+  const int32_t* parents;  // [n]
+  const int64_t* tokens;   // [n]
+  int32_t n;
+};
+
+enum class TreeError : int32_t {
+  kOk = 0,
+  kRootParent,        // parents[0] != -1
+  kParentOutOfRange,  // a real node's parent is not in [0, i)
+  kPaddingNotTrailing,  // a real node follows a padding node
+  kTokenOutOfRange,   // a real node's token is not in [0, vocab)
+};
+
+struct TreeCheck {
+  TreeError error;
+  int32_t node;  // the first offending node
+};
+
+// Validates one request's tree against the encoding above; tokens of padding nodes are ignored.
+POSS_HD TreeCheck validate_tree(TreeView t, int64_t vocab) {
+  if (t.n < 1 || t.parents[0] != kRootParent) return {TreeError::kRootParent, 0};
+  bool padding = false;
+  for (int32_t i = 0; i < t.n; ++i) {
+    const int32_t p = t.parents[i];
+    if (i > 0 && p == kPadParent) {
+      padding = true;
+      continue;
+    }
+    if (padding) return {TreeError::kPaddingNotTrailing, i};
+    if (i > 0 && (p < 0 || p >= i)) return {TreeError::kParentOutOfRange, i};
+    if (t.tokens[i] < 0 || t.tokens[i] >= vocab) return {TreeError::kTokenOutOfRange, i};
+  }
+  return {TreeError::kOk, -1};
+}
+
+// The next child of `parent` after node `after`, in node order; -1 when there is none.
+// Children always have larger ids than their parent, so start the scan at parent + 1.
+POSS_HD int32_t next_child(TreeView t, int32_t parent, int32_t after) {
+  for (int32_t j = (after > parent ? after : parent) + 1; j < t.n; ++j) {
+    if (t.parents[j] == parent) return j;
+  }
+  return -1;
+}
+
+POSS_HD int32_t first_child(TreeView t, int32_t parent) { return next_child(t, parent, parent); }
+
+}  // namespace poss

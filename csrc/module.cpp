@@ -1,0 +1,27 @@
+// The pybind11 module poss_ext._C. Loading it registers the ops (static initialisers in the other
+// translation units); it also reports how the library was built.
+#include <pybind11/pybind11.h>
+
+#ifndef POSS_TORCH_VERSION
+#define POSS_TORCH_VERSION "unknown"
+#endif
+#ifndef POSS_CUDA_ARCH_LIST
+#define POSS_CUDA_ARCH_LIST ""
+#endif
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "poss compiled kernels (ops are registered under torch.ops.poss)";
+  m.def("build_info", [] {
+    py::dict info;
+    info["torch_version"] = POSS_TORCH_VERSION;
+#ifdef POSS_WITH_CUDA
+    info["cuda"] = true;
+#else
+    info["cuda"] = false;
+#endif
+    info["cuda_arch_list"] = POSS_CUDA_ARCH_LIST;
+    return info;
+  });
+}

@@ -1,0 +1,22 @@
+"""poss_ext: the compiled ops of poss (``torch.ops.poss.*``), their Python wrappers and references.
+
+Importing this package loads ``poss_ext._C`` (which registers the ops), the fake kernels and the
+fallbacks for devices without compiled kernels.
+"""
+
+from poss_ext._loader import load_library as _load_library
+
+_C = _load_library()
+
+from poss_ext import ops, reference  # noqa: E402
+from poss_ext.ops import tree_verify  # noqa: E402
+
+ops._register_fallbacks(dict(_C.build_info()))
+
+
+def build_info() -> dict:
+    """How the library was built: torch version, whether CUDA kernels exist, CUDA arch list."""
+    return dict(_C.build_info())
+
+
+__all__ = ["build_info", "ops", "reference", "tree_verify"]

@@ -1,0 +1,119 @@
+"""Pure-PyTorch references of the poss ops.
+
+They are written to be read: one request and one tree node at a time. The tests compare the
+kernels against them, and ``poss_ext`` serves an op with its reference on a device for which no
+kernel was compiled.
+"""
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+PAD = -2
+
+
+def real_nodes(parents_row: List[int]) -> int:
+    """Number of real (non-padding) nodes of one request's tree."""
+    n = 1
+    while n < len(parents_row) and parents_row[n] != PAD:
+        n += 1
+    return n
+
+
+def children_lists(parents_row: List[int]) -> List[List[int]]:
+    """children[i] = the children of node i, in node order."""
+    n = real_nodes(parents_row)
+    children: List[List[int]] = [[] for _ in range(len(parents_row))]
+    for i in range(1, n):
+        children[parents_row[i]].append(i)
+    return children
+
+
+def processed_weights(row: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
+    """The target's sampling distribution at one node, unnormalised, as float64 ``[V]``.
+
+    softmax(row / temperature), then top-k (every token tied with the k-th largest logit stays),
+    then top-p over the renormalised result (the smallest set of most likely tokens whose mass
+    reaches top_p; every token tied with the last one stays).
+    """
+    x = row.float()
+    if torch.isnan(x).any():
+        raise RuntimeError("tree_verify: logits row contains NaN")
+    m = x.max()
+    if not torch.isfinite(m):
+        raise RuntimeError("tree_verify: logits row has no finite maximum")
+    keep = torch.ones_like(x, dtype=torch.bool)
+    if 0 < top_k < x.numel():
+        keep = x >= torch.topk(x, top_k).values[-1]
+    w = torch.where(keep, torch.exp((x - m) * (1.0 / temperature)), torch.zeros_like(x))
+    w = w.double()
+    if top_p < 1.0:
+        desc = torch.sort(w, descending=True).values
+        crossing = int(torch.searchsorted(torch.cumsum(desc, 0), top_p * w.sum()))
+        w = torch.where(w >= desc[min(crossing, len(desc) - 1)], w, torch.zeros_like(w))
+    return w
+
+
+def sample_index(w: Tensor, u: float) -> int:
+    """Inverse-CDF draw from unnormalised weights ``w`` with one uniform ``u`` in [0, 1)."""
+    cdf = torch.cumsum(w, 0)
+    idx = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
+    positive = torch.nonzero(w > 0).flatten()
+    return min(idx, int(positive[-1]))
+
+
+def tree_verify(
+    parents: Tensor,
+    tokens: Tensor,
+    logits: Tensor,
+    temperature: Optional[Tensor] = None,
+    top_k: Optional[Tensor] = None,
+    top_p: Optional[Tensor] = None,
+    uniforms: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Reference of ``torch.ops.poss.tree_verify``; see ``poss_ext.ops.tree_verify`` for the contract."""
+    B, N = parents.shape
+    device = parents.device
+    accept_nodes = torch.full((B, N), -1, dtype=torch.int32)
+    accept_len = torch.zeros(B, dtype=torch.int32)
+    next_token = torch.zeros(B, dtype=torch.int64)
+    par, tok = parents.tolist(), tokens.tolist()
+    for b in range(B):
+        children = children_lists(par[b])
+        temp = 0.0 if temperature is None else float(temperature[b])
+        path = [0]
+        if temp <= 0.0:  # greedy
+            while True:
+                row = logits[b, path[-1]].float()
+                if torch.isnan(row).any():
+                    raise RuntimeError("tree_verify: logits row contains NaN")
+                best = int(torch.argmax(row))
+                match = [c for c in children[path[-1]] if tok[b][c] == best]
+                if not match:
+                    break
+                path.append(match[0])
+            nxt = best
+        else:
+            if uniforms is None:
+                raise RuntimeError("uniforms is required when any temperature > 0")
+            k = 0 if top_k is None else int(top_k[b])
+            p = 1.0 if top_p is None else float(top_p[b])
+            u = uniforms[b].tolist()
+            while True:
+                w = processed_weights(logits[b, path[-1]], temp, k, p)
+                accepted = None
+                for c in children[path[-1]]:
+                    x = tok[b][c]
+                    if w[x] > 0 and u[c] * float(w.sum()) < w[x]:
+                        accepted = c
+                        break
+                    w[x] = 0.0
+                if accepted is None:
+                    break
+                path.append(accepted)
+            nxt = sample_index(w, u[N])
+        accept_nodes[b, : len(path)] = torch.tensor(path, dtype=torch.int32)
+        accept_len[b] = len(path) - 1
+        next_token[b] = nxt
+    return accept_nodes.to(device), accept_len.to(device), next_token.to(device)

@@ -1,0 +1,25 @@
+"""The ``poss`` command line. Subcommands arrive with the orchestrator; today only ``info`` runs."""
+
+import argparse
+import json
+import sys
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="poss", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="show how the poss_ext kernels were built")
+    for name in ("generate", "chat", "train", "eval"):
+        sub.add_parser(name, help=f"{name} (not available yet in this version)")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        import poss_ext
+
+        print(json.dumps(poss_ext.build_info(), indent=2))
+        return 0
+    print(f"poss {args.command}: not available yet in poss {__import__('poss').__version__}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

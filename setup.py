@@ -1,0 +1,98 @@
+"""Builds poss_ext._C (CPU kernels always; CUDA kernels when asked for or a GPU is visible).
+
+Environment:
+  POSS_CUDA=1 / 0        force the CUDA kernels on / off (default: on when torch is a CUDA build,
+                         nvcc is found and a GPU is visible)
+  TORCH_CUDA_ARCH_LIST   CUDA architectures, default "8.0;9.0"
+  CUDA_HOME              CUDA toolkit root, default /usr/local/cuda when it holds nvcc
+  MAX_JOBS               parallel compile jobs (ninja)
+"""
+
+import glob
+import json
+import os
+import platform
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+if "CUDA_HOME" not in os.environ and os.path.exists("/usr/local/cuda/bin/nvcc"):
+    os.environ["CUDA_HOME"] = "/usr/local/cuda"  # cpp_extension reads it at import time
+os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+
+import torch  # noqa: E402
+from torch.utils import cpp_extension  # noqa: E402
+
+
+def want_cuda() -> bool:
+    flag = os.environ.get("POSS_CUDA", "")
+    have_nvcc = cpp_extension.CUDA_HOME is not None and os.path.exists(
+        os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc")
+    )
+    if flag == "0":
+        return False
+    if flag == "1":
+        if torch.version.cuda is None:
+            raise RuntimeError("POSS_CUDA=1 but the installed torch is not a CUDA build")
+        if not have_nvcc:
+            raise RuntimeError("POSS_CUDA=1 but nvcc was not found (set CUDA_HOME)")
+        return True
+    return torch.version.cuda is not None and have_nvcc and torch.cuda.is_available()
+
+
+def cpu_arch_flags() -> list:
+    # at::vec picks its SIMD width from CPU_CAPABILITY; AVX2 + FMA runs on every x86-64 server
+    # of the last decade. poss_ext checks the running CPU at import.
+    if platform.machine() in ("x86_64", "AMD64"):
+        return ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    return []
+
+
+def extension():
+    with_cuda = want_cuda()
+    arch_list = os.environ["TORCH_CUDA_ARCH_LIST"] if with_cuda else ""
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    macros = [
+        ("POSS_TORCH_VERSION", json.dumps(torch.__version__)),
+        ("POSS_CUDA_ARCH_LIST", json.dumps(arch_list)),
+    ]
+    cxx = ["-O3", "-fopenmp", "-Wall", "-Wno-unused-function", "-Wno-unknown-pragmas"] + cpu_arch_flags()
+    args = dict(
+        name="poss_ext._C",
+        sources=sources,
+        include_dirs=[os.path.join(ROOT, "csrc", "include")],
+        define_macros=macros,
+        extra_link_args=["-fopenmp"],
+    )
+    if not with_cuda:
+        return cpp_extension.CppExtension(extra_compile_args={"cxx": cxx}, **args), arch_list
+    args["sources"] += sorted(glob.glob("csrc/cuda/*.cu"))
+    args["define_macros"] = macros + [("POSS_WITH_CUDA", None)]
+    nvcc = ["-O3", "--use_fast_math", "--expt-relaxed-constexpr", "-lineinfo"]
+    return (
+        cpp_extension.CUDAExtension(extra_compile_args={"cxx": cxx, "nvcc": nvcc}, **args),
+        arch_list,
+    )
+
+
+class BuildExt(cpp_extension.BuildExtension):
+    """Also records, next to the built library, the torch it was built against."""
+
+    def run(self):
+        super().run()
+        for ext in self.extensions:
+            out_dir = os.path.dirname(self.get_ext_fullpath(ext.name))
+            with open(os.path.join(out_dir, "_build_info.json"), "w") as f:
+                json.dump({"torch_version": torch.__version__, "cuda_arch_list": ARCH_LIST}, f)
+
+
+EXT, ARCH_LIST = extension()
+
+setup(
+    packages=find_packages(include=["poss_ext", "poss_ext.*"])
+    + find_packages("python", include=["poss", "poss.*"]),
+    package_dir={"poss": "python/poss"},
+    ext_modules=[EXT],
+    cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},
+)
