@@ -13,6 +13,7 @@ from torch import Tensor
 
 import poss_ext
 from poss.models.attention import ensure_tree_attention
+from poss.models.draft_config import weight_fingerprint
 from poss.models.gguf_convert import check_architecture
 from poss.models.kv_cache import StaticKVCache
 
@@ -88,12 +89,22 @@ class TargetRunner:
         self.embed = hf_model.model.embed_tokens.weight.detach().to(self.dtype)
         self.final_norm_w = hf_model.model.norm.weight.detach().to(self.dtype).contiguous()
         self.lm_head = hf_model.lm_head.weight.detach().to(self.dtype)
+        self._fingerprint: Optional[str] = None
         self.cache = StaticKVCache(len(self.layers), max_batch, self.num_kv_heads, max_seq,
                                    self.head_dim, self.dtype, self.device)
 
     @property
     def hidden_size(self) -> int:
         return self.embed.shape[1]
+
+    def fingerprint(self) -> str:
+        """Hash of the target's weights; a draft records it and refuses any other target."""
+        if self._fingerprint is None:
+            named = [("embed", self.embed), ("lm_head", self.lm_head), ("norm", self.final_norm_w)]
+            for i, p in enumerate(self.layers):
+                named += [(f"{i}.{k}", v) for k, v in vars(p).items() if v is not None]
+            self._fingerprint = weight_fingerprint(named)
+        return self._fingerprint
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, positions: Tensor, parents: Tensor,
