@@ -87,8 +87,13 @@ class PosSDraft(nn.Module):
                 f"but the runner holds different weights ({fp}); load the matching target")
         if runner.hidden_size != self.config.hidden:
             raise ValueError(f"draft hidden {self.config.hidden} != target hidden {runner.hidden_size}")
+        return self.attach_tensors(runner.embed, runner.lm_head, runner.inv_freq, max_batch, max_seq)
+
+    def attach_tensors(self, embed: Tensor, lm_head: Tensor, inv_freq: Tensor, max_batch: int,
+                       max_seq: int) -> "PosSDraft":
+        """:meth:`attach` without the target check: embed / lm_head ``[V, H]``, inv_freq ``[D/2] float32``."""
         ensure_tree_attention()
-        self._target = (runner.embed, runner.lm_head, runner.inv_freq)
+        self._target = (embed, lm_head, inv_freq)
         p = next(self.parameters())
         self.caches = StaticKVCache(self.config.n_specialists, max_batch, self.config.kv_heads, max_seq,
                                     self.config.head_dim, p.dtype, p.device)
