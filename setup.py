@@ -49,6 +49,24 @@ def cpu_arch_flags() -> list:
     return []
 
 
+def cuda_library_includes() -> list:
+    """Headers of the CUDA math libraries (cuSPARSE, cuBLAS...) that torch's headers include.
+
+    A bare toolkit (nvcc only, as on CI) lacks them; torch's pip wheels ship them under nvidia/*/include.
+    They go in with -isystem, after the toolkit's own headers.
+    """
+    try:
+        import nvidia
+    except ImportError:
+        return []
+    found = []
+    for root in nvidia.__path__:
+        for inc in glob.glob(os.path.join(root, "*", "include")):
+            if os.path.exists(os.path.join(inc, "cusparse.h")):
+                found += ["-isystem", inc]
+    return found
+
+
 def extension():
     with_cuda = want_cuda()
     arch_list = os.environ["TORCH_CUDA_ARCH_LIST"] if with_cuda else ""
@@ -69,7 +87,9 @@ def extension():
         return cpp_extension.CppExtension(extra_compile_args={"cxx": cxx}, **args), arch_list
     args["sources"] += sorted(glob.glob("csrc/cuda/*.cu"))
     args["define_macros"] = macros + [("POSS_WITH_CUDA", None)]
-    nvcc = ["-O3", "--use_fast_math", "--expt-relaxed-constexpr", "-lineinfo"]
+    libs = cuda_library_includes()
+    cxx += libs
+    nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"] + libs
     return (
         cpp_extension.CUDAExtension(extra_compile_args={"cxx": cxx, "nvcc": nvcc}, **args),
         arch_list,

@@ -49,9 +49,20 @@ def tree_verify(
     return torch.ops.poss.tree_verify(parents, tokens, logits, temperature, top_k, top_p, uniforms)
 
 
+def _check_same_device(ref: Tensor, **tensors: Optional[Tensor]) -> None:
+    for name, t in tensors.items():
+        if t is not None:
+            torch._check(
+                t.device == ref.device,
+                lambda: f"{name} must be on the same device as parents ({ref.device}), got {t.device}",
+            )
+
+
 @torch.library.register_fake("poss::tree_verify")
 def _tree_verify_fake(parents, tokens, logits, temperature=None, top_k=None, top_p=None, uniforms=None):
     torch._check(parents.dim() == 2, lambda: "parents must be [B, N] int32")
+    _check_same_device(parents, tokens=tokens, logits=logits, temperature=temperature, top_k=top_k,
+                       top_p=top_p, uniforms=uniforms)
     B, N = parents.shape
     return (
         parents.new_empty((B, N), dtype=torch.int32),

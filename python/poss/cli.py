@@ -1,4 +1,5 @@
-"""The ``poss`` command line. Subcommands arrive with the orchestrator; today only ``info`` runs."""
+"""The ``poss`` command line. Generation, chat, training and evaluation arrive with the orchestrator;
+today ``info`` and ``demo`` run."""
 
 import argparse
 import json
@@ -9,6 +10,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="poss", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="show how the poss_ext kernels were built")
+    sub.add_parser("demo", help="verify a small draft tree with torch.ops.poss.tree_verify")
     for name in ("generate", "chat", "train", "eval"):
         sub.add_parser(name, help=f"{name} (not available yet in this version)")
     args = parser.parse_args(argv)
@@ -17,6 +19,10 @@ def main(argv=None) -> int:
 
         print(json.dumps(poss_ext.build_info(), indent=2))
         return 0
+    if args.command == "demo":
+        from poss.demo import main as demo
+
+        return demo()
     print(f"poss {args.command}: not available yet in poss {__import__('poss').__version__}", file=sys.stderr)
     return 2
 

@@ -1,0 +1,297 @@
+// CUDA kernel of poss::tree_verify: one thread block per request. Every thread runs the shared
+// acceptance walk (csrc/include/poss/acceptance.h) with block-wide reductions over the vocabulary;
+// thread 0 alone writes the results. Only the rows on the walked path are read.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/macros/Macros.h>
+#include <torch/library.h>
+
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+
+#include "poss/acceptance.h"
+#include "poss/selection.h"
+#include "poss/tree.h"
+#include "poss/tree_verify_args.h"
+
+namespace poss {
+namespace {
+
+constexpr int kThreads = 512;
+
+struct ArgMax {
+  float value;
+  int64_t index;  // -1 = nothing seen yet
+};
+
+struct ArgMaxOp {
+  __device__ ArgMax operator()(const ArgMax& a, const ArgMax& b) const {
+    if (a.index < 0) return b;
+    if (b.index < 0) return a;
+    if (a.value > b.value || (a.value == b.value && a.index < b.index)) return a;
+    return b;
+  }
+};
+
+// Block-collective reductions; every thread receives the result.
+struct BlockOps {
+  union Storage {
+    typename cub::BlockReduce<ArgMax, kThreads>::TempStorage argmax;
+    typename cub::BlockReduce<double, kThreads>::TempStorage sum;
+    typename cub::BlockReduce<float, kThreads>::TempStorage fmax;
+    typename cub::BlockReduce<int64_t, kThreads>::TempStorage imax;
+    typename cub::BlockScan<double, kThreads>::TempStorage scan;
+  };
+  Storage& storage;
+  ArgMax& argmax_out;
+  double& double_out;
+  float& float_out;
+  int64_t& int_out;
+
+  __device__ ArgMax argmax(ArgMax v) {
+    ArgMax r = cub::BlockReduce<ArgMax, kThreads>(storage.argmax).Reduce(v, ArgMaxOp());
+    if (threadIdx.x == 0) argmax_out = r;
+    __syncthreads();
+    r = argmax_out;
+    __syncthreads();
+    return r;
+  }
+  __device__ double sum(double v) {
+    double r = cub::BlockReduce<double, kThreads>(storage.sum).Sum(v);
+    if (threadIdx.x == 0) double_out = r;
+    __syncthreads();
+    r = double_out;
+    __syncthreads();
+    return r;
+  }
+  __device__ float max(float v) {
+    // fmaxf drops NaN; NaN is detected separately by the callers.
+    float r = cub::BlockReduce<float, kThreads>(storage.fmax).Reduce(v, [](float a, float b) {
+      return fmaxf(a, b);
+    });
+    if (threadIdx.x == 0) float_out = r;
+    __syncthreads();
+    r = float_out;
+    __syncthreads();
+    return r;
+  }
+  __device__ int64_t max_index(int64_t v) {
+    int64_t r = cub::BlockReduce<int64_t, kThreads>(storage.imax).Reduce(v, [](int64_t a, int64_t b) {
+      return a > b ? a : b;
+    });
+    if (threadIdx.x == 0) int_out = r;
+    __syncthreads();
+    r = int_out;
+    __syncthreads();
+    return r;
+  }
+};
+
+template <typename scalar_t>
+struct CudaGreedyRow {
+  const scalar_t* logits;  // [N, V] rows of one request
+  int64_t V;
+  BlockOps& ops;
+
+  __device__ int64_t argmax(int32_t node) {
+    const scalar_t* row = logits + node * V;
+    ArgMax best{-INFINITY, -1};
+    int nan = 0;
+    for (int64_t i = threadIdx.x; i < V; i += kThreads) {
+      const float v = static_cast<float>(row[i]);
+      nan |= isnan(v);
+      if (best.index < 0 || v > best.value) best = {v, i};
+    }
+    CUDA_KERNEL_ASSERT(!nan && "tree_verify: logits row contains NaN");
+    return ops.argmax(best).index;
+  }
+};
+
+template <typename scalar_t>
+struct CudaSamplingRow {
+  const scalar_t* logits;  // [N, V]
+  int64_t V;
+  float* w;  // [V] processed, unnormalised target distribution of the current node
+  BlockOps& ops;
+
+  // Largest key t with weight({key(v) >= t}) >= target, by bisection over the 32-bit key space.
+  template <bool kMass, typename Load>
+  __device__ uint32_t select_key(Load load, double target) {
+    uint32_t lo = 0, hi = 0xffffffffu;
+    while (lo < hi) {
+      const uint32_t mid = lo + (hi - lo) / 2 + 1;
+      double part = 0.0;
+      for (int64_t i = threadIdx.x; i < V; i += kThreads) {
+        const float v = load(i);
+        if (ordered_key(v) >= mid) part += kMass ? v : 1.0;
+      }
+      if (ops.sum(part) >= target) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    return lo;
+  }
+
+  __device__ double prepare(int32_t node, SamplingParams sp) {
+    const scalar_t* row = logits + node * V;
+    auto logit = [&](int64_t i) { return static_cast<float>(row[i]); };
+    float m = -INFINITY;
+    int nan = 0;
+    for (int64_t i = threadIdx.x; i < V; i += kThreads) {
+      const float v = logit(i);
+      nan |= isnan(v);
+      m = fmaxf(m, v);
+    }
+    CUDA_KERNEL_ASSERT(!nan && "tree_verify: logits row contains NaN");
+    m = ops.max(m);
+    CUDA_KERNEL_ASSERT(isfinite(m) && "tree_verify: logits row has no finite maximum");
+    float keep_from = -INFINITY;
+    if (sp.top_k > 0 && sp.top_k < V) keep_from = key_to_float(select_key<false>(logit, sp.top_k));
+    const float scale = 1.0f / sp.temperature;
+    double part = 0.0;
+    for (int64_t i = threadIdx.x; i < V; i += kThreads) {
+      const float v = logit(i);
+      const float e = v >= keep_from ? expf((v - m) * scale) : 0.0f;
+      w[i] = e;
+      part += e;
+    }
+    double total = ops.sum(part);
+    if (sp.top_p < 1.0f) {
+      auto mass = [&](int64_t i) { return w[i]; };
+      const float w_floor = key_to_float(select_key<true>(mass, sp.top_p * total));
+      part = 0.0;
+      for (int64_t i = threadIdx.x; i < V; i += kThreads) {
+        if (w[i] < w_floor) w[i] = 0.0f;
+        part += w[i];
+      }
+      total = ops.sum(part);
+    }
+    return total;
+  }
+
+  __device__ double weight(int64_t token) const { return w[token]; }
+
+  __device__ void remove(int64_t token) {
+    __syncthreads();
+    if (threadIdx.x == 0) w[token] = 0.0f;
+    __syncthreads();
+  }
+
+  // Inverse CDF: each thread owns a contiguous chunk, a block scan gives the chunk offsets.
+  __device__ int64_t sample(float u) {
+    const int64_t chunk = (V + kThreads - 1) / kThreads;
+    const int64_t start = static_cast<int64_t>(threadIdx.x) * chunk;
+    const int64_t lo = start < V ? start : V, hi = lo + chunk < V ? lo + chunk : V;
+    double part = 0.0;
+    int64_t last_positive = -1;
+    for (int64_t i = lo; i < hi; ++i) {
+      part += w[i];
+      if (w[i] > 0.0f) last_positive = i;
+    }
+    double offset;
+    cub::BlockScan<double, kThreads>(ops.storage.scan).ExclusiveSum(part, offset);
+    __syncthreads();
+    const double total = ops.sum(part);
+    if (!(total > 0.0)) return -1;
+    const double target = static_cast<double>(u) * total;
+    int64_t found = -1;
+    if (offset <= target && target < offset + part) {
+      double cum = offset;
+      for (int64_t i = lo; i < hi && found < 0; ++i) {
+        cum += w[i];
+        if (w[i] > 0.0f && cum > target) found = i;
+      }
+    }
+    found = ops.max_index(found);
+    // Rounding can leave the target past the last element: take the last token with mass.
+    return found >= 0 ? found : ops.max_index(last_positive);
+  }
+};
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads)
+    tree_verify_kernel(const int32_t* __restrict__ parents, const int64_t* __restrict__ tokens,
+                       const scalar_t* __restrict__ logits, const float* __restrict__ temperature,
+                       const int32_t* __restrict__ top_k, const float* __restrict__ top_p,
+                       const float* __restrict__ uniforms, float* __restrict__ workspace,
+                       int32_t N, int64_t V, int32_t* accept_nodes, int32_t* accept_len,
+                       int64_t* next_token) {
+  __shared__ typename BlockOps::Storage storage;
+  __shared__ ArgMax argmax_out;
+  __shared__ double double_out;
+  __shared__ float float_out;
+  __shared__ int64_t int_out;
+  BlockOps ops{storage, argmax_out, double_out, float_out, int_out};
+
+  const int64_t b = blockIdx.x;
+  const TreeView tree{parents + b * N, tokens + b * N, N};
+  if (threadIdx.x == 0) {
+    CUDA_KERNEL_ASSERT(validate_tree(tree, V).error == TreeError::kOk &&
+                       "tree_verify: parents/tokens break the tree encoding or the vocabulary range");
+  }
+  const WalkOutput out{accept_nodes + b * N, accept_len + b, next_token + b, threadIdx.x == 0};
+  const scalar_t* rows = logits + b * N * V;
+  const float temp = temperature ? temperature[b] : 0.0f;
+  if (is_greedy(temp)) {
+    CudaGreedyRow<scalar_t> row{rows, V, ops};
+    greedy_walk(tree, row, out);
+    return;
+  }
+  const SamplingParams sp{temp, top_k ? top_k[b] : 0, top_p ? top_p[b] : 1.0f};
+  CUDA_KERNEL_ASSERT(isfinite(sp.temperature) && sp.top_k >= 0 && sp.top_p > 0.0f &&
+                     sp.top_p <= 1.0f && "tree_verify: temperature/top_k/top_p out of range");
+  const float* u = uniforms + b * (N + 1);
+  if (threadIdx.x == 0) {
+    for (int32_t i = 0; i <= N; ++i) {
+      CUDA_KERNEL_ASSERT(u[i] >= 0.0f && u[i] < 1.0f && "tree_verify: uniforms must be in [0, 1)");
+    }
+  }
+  CudaSamplingRow<scalar_t> row{rows, V, workspace + b * V, ops};
+  sampling_walk(tree, row, u, sp, out);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_verify_cuda(
+    const at::Tensor& parents_in, const at::Tensor& tokens_in, const at::Tensor& logits_in,
+    const std::optional<at::Tensor>& temperature_in, const std::optional<at::Tensor>& top_k_in,
+    const std::optional<at::Tensor>& top_p_in, const std::optional<at::Tensor>& uniforms_in) {
+  const auto [B, N, V] = check_tree_verify_args(parents_in, tokens_in, logits_in, temperature_in,
+                                                top_k_in, top_p_in, uniforms_in);
+  const c10::cuda::CUDAGuard guard(parents_in.device());
+  const at::Tensor parents = parents_in.contiguous(), tokens = tokens_in.contiguous(),
+                   logits = logits_in.contiguous();
+  auto maybe = [](const std::optional<at::Tensor>& t) {
+    return t ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
+  };
+  const auto temperature = maybe(temperature_in), top_k = maybe(top_k_in), top_p = maybe(top_p_in),
+             uniforms = maybe(uniforms_in);
+  const auto opts = parents.options();
+  at::Tensor accept_nodes = at::empty({B, N}, opts);
+  at::Tensor accept_len = at::empty({B}, opts);
+  at::Tensor next_token = at::empty({B}, opts.dtype(at::kLong));
+  if (B == 0) return {accept_nodes, accept_len, next_token};
+  // Greedy requests never touch the workspace; it is only needed when something may sample.
+  at::Tensor workspace = uniforms ? at::empty({B, V}, opts.dtype(at::kFloat)) : at::Tensor();
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "tree_verify_cuda",
+                                  [&] {
+    tree_verify_kernel<scalar_t><<<B, kThreads, 0, stream>>>(
+        parents.data_ptr<int32_t>(), tokens.data_ptr<int64_t>(), logits.data_ptr<scalar_t>(),
+        temperature ? temperature->data_ptr<float>() : nullptr,
+        top_k ? top_k->data_ptr<int32_t>() : nullptr, top_p ? top_p->data_ptr<float>() : nullptr,
+        uniforms ? uniforms->data_ptr<float>() : nullptr,
+        workspace.defined() ? workspace.data_ptr<float>() : nullptr, static_cast<int32_t>(N), V,
+        accept_nodes.data_ptr<int32_t>(), accept_len.data_ptr<int32_t>(),
+        next_token.data_ptr<int64_t>());
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {accept_nodes, accept_len, next_token};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(poss, CUDA, m) { m.impl("tree_verify", &tree_verify_cuda); }
+
+}  // namespace poss

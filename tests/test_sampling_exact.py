@@ -1,0 +1,179 @@
+"""Sampling through tree_verify is exactly the target's distribution (chi-square, 200k draws).
+
+A toy target over V = 8 tokens whose logits depend on the last two tokens verifies a fixed tree in
+one round. When the round emits fewer than two tokens the second is sampled from the target
+directly. The joint law of the first two generated tokens must equal p(x1 | ctx) p(x2 | ctx, x1),
+computed exactly here. Deliberately wrong acceptance rules, simulated with the same machinery,
+must fail the same test.
+"""
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+import poss_ext
+
+V = 8
+DRAWS = 200_000
+CONTEXT = (3, 5)
+# A fixed draft tree: node 0 is the root (last context token). Duplicate sibling tokens (nodes 1, 3) and
+# leaves at depths 1 and 3 exercise the residual and the leaf bonus.
+PARENTS = [-1, 0, 0, 0, 1, 1, 1, 4]
+P_VALUE_FLOOR = 1e-4  # a correct sampler fails this one time in 10,000
+
+
+def target_logits(rng_seed: int = 0):
+    rng = np.random.default_rng(rng_seed)
+    a = rng.normal(0, 1.6, (V, V))
+    b = rng.normal(0, 0.8, (V, V))
+    return lambda prefix: a[prefix[-1]] + b[prefix[-2]]
+
+
+def processed(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """softmax(logits / T) -> top-k (ties kept) -> top-p (ties kept), normalised, in float64."""
+    z = logits / temperature
+    p = np.exp(z - z.max())
+    if 0 < top_k < len(p):
+        p[logits < np.sort(logits)[::-1][top_k - 1]] = 0.0
+    p /= p.sum()
+    if top_p < 1.0:
+        desc = np.sort(p)[::-1]
+        cut = desc[min(np.searchsorted(np.cumsum(desc), top_p), len(desc) - 1)]
+        p[p < cut] = 0.0
+        p /= p.sum()
+    return p
+
+
+def tree_tokens(logit_fn, params):
+    """Draft tokens: each node's children take the most likely target tokens at it (plus one duplicate)."""
+    tokens = [CONTEXT[-1]]
+    paths = {0: list(CONTEXT)}
+    for i, par in enumerate(PARENTS[1:], start=1):
+        ranked = np.argsort(-processed(logit_fn(paths[par]), *params), kind="stable")
+        rank = sum(1 for j in range(1, i) if PARENTS[j] == par)
+        token = tokens[1] if i == 3 else int(ranked[rank])  # node 3 duplicates node 1
+        tokens.append(token)
+        paths[i] = paths[par] + [token]
+    return tokens, paths
+
+
+def expected_joint(logit_fn, params) -> np.ndarray:
+    p1 = processed(logit_fn(list(CONTEXT)), *params)
+    return np.stack([p1[x] * processed(logit_fn(list(CONTEXT) + [x]), *params) for x in range(V)])
+
+
+def first_two(logit_fn, params, tokens, accept_nodes, accept_len, next_token, rng) -> np.ndarray:
+    """[DRAWS, 2] first two generated tokens, completing one-token rounds by sampling the target."""
+    toks = np.asarray(tokens)
+    out = np.empty((len(accept_len), 2), np.int64)
+    first = np.where(accept_len >= 1, toks[accept_nodes[:, 1].clip(0)], next_token)
+    second = np.where(accept_len >= 2, toks[accept_nodes[:, 2].clip(0)], next_token)
+    out[:, 0], out[:, 1] = first, second
+    need = np.flatnonzero(accept_len == 0)
+    for x in range(V):
+        rows = need[first[need] == x]
+        if len(rows):
+            out[rows, 1] = rng.choice(V, size=len(rows), p=processed(logit_fn(list(CONTEXT) + [x]), *params))
+    return out
+
+
+def chi_square_p(samples: np.ndarray, joint: np.ndarray) -> float:
+    observed = np.bincount(samples[:, 0] * V + samples[:, 1], minlength=V * V).astype(float)
+    expected = joint.reshape(-1) * len(samples)
+    if observed[expected == 0].sum() > 0:
+        return 0.0  # a pair the target can never produce
+    big = expected >= 5  # pool the sparse cells so the chi-square approximation holds
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    return float(stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue)
+
+
+def simulate(logit_fn, params, tokens, paths, uniforms, renormalise=True, leaf_processor=True):
+    """The acceptance walk in numpy, vectorised over draws, with switchable (wrong) rules."""
+    n = len(PARENTS)
+    children = {i: [c for c in range(1, n) if PARENTS[c] == i] for i in range(n)}
+    probs = {i: processed(logit_fn(paths[i]), *params) for i in range(n)}
+    raw = {i: processed(logit_fn(paths[i]), 1.0, 0, 1.0) for i in range(n)}
+    D = len(uniforms)
+    cur = np.zeros(D, np.int64)
+    nodes = np.full((D, n), -1, np.int64)
+    nodes[:, 0] = 0
+    length = np.zeros(D, np.int64)
+    nxt = np.full(D, -1, np.int64)
+    active = np.ones(D, bool)
+    while active.any():
+        for node in range(n):
+            sel = np.flatnonzero(active & (cur == node))
+            if not len(sel):
+                continue
+            leaf = not children[node]
+            base = raw[node] if (leaf and not leaf_processor) else probs[node]
+            residual = np.repeat(base[None], len(sel), 0)
+            accepted = np.full(len(sel), -1)
+            for c in children[node]:
+                x = tokens[c]
+                undecided = accepted < 0
+                mass = residual.sum(1) if renormalise else 1.0
+                ok = undecided & (residual[:, x] > 0) & (uniforms[sel, c] * mass < residual[:, x])
+                accepted[ok] = c
+                residual[undecided & ~ok, x] = 0.0
+            go = accepted >= 0
+            length[sel[go]] += 1
+            nodes[sel[go], length[sel[go]]] = accepted[go]
+            cur[sel[go]] = accepted[go]
+            stop = sel[~go]
+            res = residual[~go]
+            cdf = np.cumsum(res, 1)
+            nxt[stop] = (cdf < (uniforms[stop, n] * cdf[:, -1])[:, None]).sum(1)
+            active[stop] = False
+    return nodes, length, nxt
+
+
+PARAMS = [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 4, 1.0), (0.7, 5, 0.8)]
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"T{p[0]}-k{p[1]}-p{p[2]}")
+def test_tree_verify_samples_the_target_exactly(params):
+    logit_fn = target_logits()
+    tokens, paths = tree_tokens(logit_fn, params)
+    n = len(PARENTS)
+    logits = torch.tensor(np.stack([logit_fn(paths[i]) for i in range(n)]), dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    uniforms = torch.rand(DRAWS, n + 1, generator=gen)
+    temperature, top_k, top_p = params
+    nodes, length, nxt = poss_ext.tree_verify(
+        torch.tensor([PARENTS], dtype=torch.int32).expand(DRAWS, n),
+        torch.tensor([tokens]).expand(DRAWS, n),
+        logits.expand(DRAWS, n, V),
+        torch.full((DRAWS,), temperature),
+        torch.full((DRAWS,), top_k, dtype=torch.int32),
+        torch.full((DRAWS,), top_p),
+        uniforms,
+    )
+    assert int(length.max()) >= 2, "the tree never accepted two tokens: the test would be weak"
+    samples = first_two(logit_fn, params, tokens, nodes.numpy(), length.numpy(), nxt.numpy(), np.random.default_rng(2))
+    p = chi_square_p(samples, expected_joint(logit_fn, params))
+    assert p > P_VALUE_FLOOR, f"chi-square p = {p:.3g}: tree_verify does not sample the target"
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [
+        dict(renormalise=False, leaf_processor=True),  # accept with p(x), not p(x) / remaining mass
+        dict(renormalise=True, leaf_processor=False),  # the PosS/HASS leaf-bonus bug
+    ],
+    ids=["no-renormalise", "leaf-bonus-without-processor"],
+)
+def test_wrong_rules_fail_the_same_test(rule):
+    params = (0.7, 5, 0.8)
+    logit_fn = target_logits()
+    tokens, paths = tree_tokens(logit_fn, params)
+    uniforms = np.random.default_rng(3).random((DRAWS, len(PARENTS) + 1))
+    joint = expected_joint(logit_fn, params)
+    rng = np.random.default_rng(4)
+    right = first_two(logit_fn, params, tokens, *simulate(logit_fn, params, tokens, paths, uniforms), rng)
+    assert chi_square_p(right, joint) > P_VALUE_FLOOR, "the simulation of the right rule must pass"
+    wrong = first_two(logit_fn, params, tokens, *simulate(logit_fn, params, tokens, paths, uniforms, **rule), rng)
+    assert chi_square_p(wrong, joint) < 1e-12

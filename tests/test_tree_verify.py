@@ -1,0 +1,137 @@
+"""torch.ops.poss.tree_verify against the pure-PyTorch reference, opcheck, and bad input."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import poss_ext
+from poss_ext import reference
+from devices import devices
+from tree_cases import make_case, sampling_params
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def run_both(device, parents, tokens, logits, temperature=None, top_k=None, top_p=None, uniforms=None):
+    """(op on `device`, reference on the CPU), both as CPU tensors."""
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    got = poss_ext.tree_verify(to(parents), to(tokens), to(logits), to(temperature), to(top_k), to(top_p), to(uniforms))
+    want = reference.tree_verify(parents, tokens, logits, temperature, top_k, top_p, uniforms)
+    return [g.cpu() for g in got], want
+
+
+def assert_same(got, want):
+    for g, w, name in zip(got, want, ("accept_nodes", "accept_len", "next_token")):
+        assert torch.equal(g, w), f"{name} differs:\n{g}\nvs reference\n{w}"
+
+
+@pytest.mark.parametrize("device", devices())
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    B=st.integers(1, 12),
+    N=st.integers(1, 40),
+    V=st.sampled_from([1, 2, 7, 64, 300]),
+    shape=st.sampled_from(["random", "chain", "star"]),
+    dtype=st.sampled_from(DTYPES),
+    mode=st.sampled_from(["greedy", "mixed"]),
+)
+def test_matches_reference_on_random_trees(device, seed, B, N, V, shape, dtype, mode):
+    rng = np.random.default_rng(seed)
+    parents, tokens, logits = make_case(rng, B, N, V, shape)
+    logits = logits.to(dtype)
+    if mode == "greedy":
+        got, want = run_both(device, parents, tokens, logits)
+    else:
+        temperature, top_k, top_p = sampling_params(rng, B, V)
+        uniforms = torch.from_numpy(rng.random((B, N + 1), dtype=np.float32))
+        got, want = run_both(device, parents, tokens, logits, temperature, top_k, top_p, uniforms)
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("shape", ["random", "chain", "star"])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_thousands_of_trees(device, shape, greedy):
+    """400 trees per case, 2,400 in all, with many deep accepted paths."""
+    rng = np.random.default_rng(1234)
+    for _ in range(20):
+        B, N, V = 20, int(rng.integers(2, 64)), int(rng.integers(2, 200))
+        parents, tokens, logits = make_case(rng, B, N, V, shape, match_prob=0.8)
+        if greedy:
+            got, want = run_both(device, parents, tokens, logits)
+        else:
+            temperature, top_k, top_p = sampling_params(rng, B, V, greedy_frac=0.0)
+            uniforms = torch.from_numpy(rng.random((B, N + 1), dtype=np.float32))
+            got, want = run_both(device, parents, tokens, logits, temperature, top_k, top_p, uniforms)
+        assert_same(got, want)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ["chain", "random"])
+def test_large_trees_and_vocab(device, dtype, shape):
+    """N = 256 nodes and a real vocabulary size, greedy and sampling in one batch."""
+    rng = np.random.default_rng(7)
+    B, N, V = 4, 256, 49152
+    parents, tokens, logits = make_case(rng, B, N, V, shape, match_prob=0.9)
+    logits = (logits * 3).to(dtype)
+    temperature = torch.tensor([0.0, 0.7, 1.0, 1.3])
+    top_k = torch.tensor([0, 50, 0, 1000], dtype=torch.int32)
+    top_p = torch.tensor([1.0, 0.9, 0.8, 1.0])
+    uniforms = torch.from_numpy(rng.random((B, N + 1), dtype=np.float32))
+    got, want = run_both(device, parents, tokens, logits, temperature, top_k, top_p, uniforms)
+    assert_same(got, want)
+    if shape == "chain":  # deep paths were exercised, not just the root
+        assert int(got[1].max()) >= 10
+
+
+@pytest.mark.parametrize("device", devices())
+def test_greedy_rule_by_hand(device):
+    """A tree whose answer is derived by hand: the first matching sibling wins, ties take the lowest id."""
+    V = 6
+    parents = torch.tensor([[-1, 0, 0, 1, 2, 2, -2]], dtype=torch.int32)
+    tokens = torch.tensor([[5, 3, 3, 1, 4, 2, 0]])
+    logits = torch.zeros(1, 7, V)
+    logits[0, 0, 3] = 2.0  # root predicts 3: nodes 1 and 2 both carry 3, node 1 (first) wins
+    logits[0, 1, 1] = 1.0  # node 1 predicts 1: node 3 matches
+    logits[0, 3, 2] = logits[0, 3, 4] = 7.0  # tie between 2 and 4 at the leaf: the bonus is 2
+    nodes, length, nxt = poss_ext.tree_verify(parents.to(device), tokens.to(device), logits.to(device))
+    assert nodes.cpu().tolist() == [[0, 1, 3, -1, -1, -1, -1]]
+    assert length.tolist() == [2] and nxt.tolist() == [2]
+
+
+@pytest.mark.parametrize("device", devices())
+def test_uniform_zero_never_accepts_a_zero_mass_child(device):
+    """u = 0 must not accept a token that top-k removed, nor draw one as the next token."""
+    V = 5
+    parents = torch.tensor([[-1, 0]], dtype=torch.int32)
+    tokens = torch.tensor([[0, 4]])
+    logits = torch.tensor([[[3.0, 2.0, 1.0, 0.0, -1.0]] * 2])
+    got = poss_ext.tree_verify(
+        parents.to(device), tokens.to(device), logits.to(device),
+        torch.tensor([1.0], device=device), torch.tensor([2], dtype=torch.int32, device=device),
+        None, torch.zeros(1, 3, device=device),
+    )
+    assert got[1].tolist() == [0] and got[2].tolist() == [0]
+
+
+def test_opcheck():
+    rng = np.random.default_rng(0)
+    parents, tokens, logits = make_case(rng, 3, 9, 33, "random")
+    temperature, top_k, top_p = sampling_params(rng, 3, 33)
+    uniforms = torch.from_numpy(rng.random((3, 10), dtype=np.float32))
+    for args in [
+        (parents, tokens, logits),
+        (parents, tokens, logits.bfloat16(), temperature, top_k, top_p, uniforms),
+    ]:
+        torch.library.opcheck(torch.ops.poss.tree_verify.default, args)
+
+
+def test_compiles_with_torch_compile():
+    rng = np.random.default_rng(0)
+    parents, tokens, logits = make_case(rng, 2, 6, 17, "random")
+    fn = torch.compile(lambda p, t, lg: poss_ext.tree_verify(p, t, lg), fullgraph=True, backend="eager")
+    assert_same(fn(parents, tokens, logits), reference.tree_verify(parents, tokens, logits))
