@@ -176,3 +176,31 @@ def test_bad_inputs_name_the_argument(name, kw):
     a.update(kw)
     with pytest.raises(RuntimeError, match=name):
         torch.ops.poss.specialist_forward(*a.values())
+
+
+@pytest.mark.slow
+def test_smollm2_with_random_poss2_draft_end_to_end():
+    """The newcomer path: packaged SmolLM2 -> target runner -> randomly initialised PosS-2 draft."""
+    from poss.models.registry import load_model
+
+    tok, model = load_model("smollm2-135m")
+    target = TargetRunner(model, max_batch=1, max_seq=128)
+    prompt = tok("The capital of France is").input_ids
+    logits, feats = target.prefill([prompt])
+    cfg = DraftConfig.for_target(model.config, "smollm2-135m", target.fingerprint(), n_specialists=3,
+                                 positions_per_specialist=2, fc_bias=False)
+    draft = PosSDraft(cfg).attach(target, max_batch=1, max_seq=128)
+    # EAGLE shift: feature f_t pairs with token x_{t+1}; the last feature pairs with the new token.
+    L = len(prompt)
+    nxt = logits.argmax(-1, keepdim=True)
+    toks = torch.cat([torch.tensor([prompt[1:]]), nxt], 1)
+    pos = torch.arange(L).view(1, L)
+    out = draft.step(0, toks, feats, pos, chain_parents([L], L), torch.zeros(1, dtype=torch.int32))
+    draft_logits = draft.logits(out[:, -1])
+    assert out.shape == (1, L, 576) and draft_logits.shape == (1, 49152)
+    assert torch.isfinite(draft_logits).all()
+    # Positions 3..4 go to specialist 1, which drafts on its own cache.
+    j = draft.specialist_for(3)
+    assert j == 1
+    draft.step(j, toks, feats, pos, chain_parents([L], L), torch.zeros(1, dtype=torch.int32))
+    assert draft.caches.k[1, 0, :, :L].abs().sum() > 0 and draft.caches.k[2].abs().sum() == 0
