@@ -1,6 +1,8 @@
 """PosS draft: fused specialist_forward vs the plain nn.Module path, config, save/load, EAGLE init."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 import poss_ext
@@ -204,3 +206,31 @@ def test_smollm2_with_random_poss2_draft_end_to_end():
     assert j == 1
     draft.step(j, toks, feats, pos, chain_parents([L], L), torch.zeros(1, dtype=torch.int32))
     assert draft.caches.k[1, 0, :, :L].abs().sum() > 0 and draft.caches.k[2].abs().sum() == 0
+
+
+@settings(max_examples=20, deadline=None)
+@given(B=st.integers(1, 3), T=st.integers(1, 12), extra=st.integers(0, 4), kv=st.sampled_from([1, 2]),
+       rep=st.sampled_from([1, 3]), bias=st.booleans(), data=st.data())
+def test_decoder_layer_random_trees_match_reference(B, T, extra, kv, rep, bias, data):
+    """The fused layer (with input norm and QKV bias, as the target uses it) vs the Python reference."""
+    g = torch.Generator().manual_seed(B * 100 + T * 10 + extra)
+    H, D, F, Hq = 128, 64, 80, kv * rep
+    N = T + extra
+    prefix = [data.draw(st.integers(0, 9)) for _ in range(B)]
+    S = max(prefix) + N + data.draw(st.integers(0, 3))
+    parents = torch.full((B, N), -1, dtype=torch.int32)
+    for b in range(B):
+        n_real = data.draw(st.integers(max(1, N - T + 1), N))  # some of the new nodes may be padding
+        for i in range(1, N):
+            parents[b, i] = int(torch.randint(0, i, (1,), generator=g)) if i < n_real else -2
+    r = lambda *s: torch.randn(*s, generator=g) * 0.1  # noqa: E731
+    args = [r(B, T, H), r(H) + 1, r((Hq + 2 * kv) * D, H), r((Hq + 2 * kv) * D) if bias else None,
+            r(H, Hq * D), r(H) + 1, r(2 * F, H), r(H, F), r(B, kv, S, D), r(B, kv, S, D),
+            torch.tensor(prefix, dtype=torch.int32), parents, torch.randint(0, 50, (B, T)),
+            1.0 / 10000 ** (torch.arange(0, D, 2).float() / D), Hq, kv, 1e-5]
+    ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    got = torch.ops.poss.decoder_layer(*args)
+    want = poss_ext.reference.decoder_layer(*ref_args)
+    real = (parents[:, N - T:] != -2).unsqueeze(-1)  # padding rows are unspecified
+    torch.testing.assert_close(torch.where(real, got, 0), torch.where(real, want, 0), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(args[8], ref_args[8], rtol=1e-5, atol=1e-6)
