@@ -1,7 +1,11 @@
 """Model-level benchmarks (SmolLM2-135M shapes, CPU).
 
-1. ``specialist_forward`` (one fused op call) vs the same specialist as an eager nn.Module, for
-   T in {1, 10, 60} new tokens behind a 512-token draft cache.
+1. ``specialist_forward`` (one fused op call) vs the same specialist as eager nn.Modules, for
+   T in {1, 10, 60} new tokens behind a 512-token draft cache. Two eager baselines:
+   ``hf_layer``: EAGLE's layout, transformers' own ``LlamaDecoderLayer`` (eager attention, input
+   norm removed) with a DynamicCache and a precomputed additive tree mask, after ``fc``;
+   ``eager_packed``: our plain-PyTorch ``Specialist.forward`` (packed q|k|v and gate|up weights,
+   SDPA with a dense tree mask), the reference the tests compare against.
 2. The target runner's 1-token and 60-token (tree) step vs HF's eager forward with a 512-token
    KV cache, on the real SmolLM2-135M (fetched and converted once; skipped if unavailable).
 
@@ -50,11 +54,53 @@ def specialist_inputs(T):
             PREFIX + depth, parents, prefix)
 
 
+def hf_layer_step(draft, T):
+    """EAGLE-style eager specialist: fc, then transformers' LlamaDecoderLayer without input norm."""
+    from transformers import DynamicCache, LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    c = draft.config
+    cfg = LlamaConfig(hidden_size=c.hidden, num_attention_heads=c.heads, num_key_value_heads=c.kv_heads,
+                      head_dim=c.head_dim, intermediate_size=c.ffn, rms_norm_eps=c.rms_eps, rope_theta=1e5,
+                      max_position_embeddings=8192, num_hidden_layers=1)
+    cfg._attn_implementation = "eager"
+    layer = LlamaDecoderLayer(cfg, 0).eval()
+    layer.input_layernorm = torch.nn.Identity()
+    rotary = LlamaRotaryEmbedding(cfg)
+    embed, fc = draft.target[0], draft.fc
+    cache = DynamicCache(config=cfg)
+    with torch.inference_mode():  # fill the 512-token context
+        x = torch.randn(1, PREFIX, c.hidden)
+        pos = torch.arange(PREFIX).view(1, -1)
+        causal = torch.full((PREFIX, PREFIX), float("-inf")).triu(1).view(1, 1, PREFIX, PREFIX)
+        layer(x, attention_mask=causal, position_ids=pos, cache=cache, use_cache=True,
+              position_embeddings=rotary(x, pos))
+    tokens, feats, positions, parents, _ = specialist_inputs(T)
+    from poss.models.attention import tree_ancestor_mask
+
+    visible = torch.cat([torch.ones(1, T, PREFIX, dtype=torch.bool), tree_ancestor_mask(parents)], -1)
+    mask = torch.zeros(1, 1, T, PREFIX + T).masked_fill(~visible.unsqueeze(1), float("-inf"))
+
+    def step():
+        u = fc(torch.cat([torch.nn.functional.embedding(tokens, embed), feats], -1))
+        out = layer(u, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+                    position_embeddings=rotary(u, positions))
+        cache.crop(-T)  # drop the step's tokens again
+        return out
+
+    return step
+
+
 @pytest.mark.parametrize("T", [1, 10, 60])
-@pytest.mark.parametrize("impl", ["fused", "eager"])
+@pytest.mark.parametrize("impl", ["fused", "hf_layer", "eager_packed"])
 def test_specialist_forward(benchmark, draft, impl, T):
     args = specialist_inputs(T)
-    fn = (lambda: draft.step(0, *args)) if impl == "fused" else (lambda: draft.eager_step(0, *args))
+    if impl == "fused":
+        fn = lambda: draft.step(0, *args)  # noqa: E731
+    elif impl == "eager_packed":
+        fn = lambda: draft.eager_step(0, *args)  # noqa: E731
+    else:
+        fn = hf_layer_step(draft, T)
     benchmark.group = f"specialist T={T}"
     with torch.inference_mode():
         benchmark.pedantic(fn, rounds=30 if T < 60 else 15, warmup_rounds=2)
