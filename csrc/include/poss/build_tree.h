@@ -81,9 +81,11 @@ POSS_HD PathInfo root_path() { return {std::numeric_limits<float>::infinity(), 0
 // PathInfo of candidate i by walking up its ancestors: O(depth), no state, for one CUDA thread per
 // candidate. (The CPU kernel builds the same values front to back with extend_path, O(1) each.)
 // min is associative and commutative, so folding bottom-up equals extend_path top-down.
+// The walk only follows strictly decreasing indices, so it ends even on an invalid input that the
+// device asserts would have flagged (e.g. with TORCH_DISABLE_GPU_ASSERTS).
 POSS_HD PathInfo walk_path(CandidateView c, int32_t i) {
   PathInfo info{c.scores[i], 1};
-  for (int32_t p = c.parents[i]; p >= 0; p = c.parents[p]) {
+  for (int32_t cur = i, p = c.parents[i]; p >= 0 && p < cur; cur = p, p = c.parents[p]) {
     const float s = c.scores[p];
     if (s < info.min_score) info.min_score = s;
     ++info.depth;
