@@ -82,8 +82,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> build_tree_cpu(const at::Tensor& 
   auto* out_dep = depth.data_ptr<int32_t>();
   const int32_t m = static_cast<int32_t>(M);
 
-  // A request is a few microseconds of work: let each thread take several.
-  at::parallel_for(0, B, 4, [&](int64_t begin, int64_t end) {
+  // A request is a few microseconds of work (M = 510): let each task take several.
+  at::parallel_for(0, B, 8, [&](int64_t begin, int64_t end) {
     std::vector<PathInfo> path(M);
     std::vector<uint64_t> keys;
     keys.reserve(M);

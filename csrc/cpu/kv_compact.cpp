@@ -72,8 +72,13 @@ void kv_compact_cpu(const at::Tensor& k_cache, const at::Tensor& v_cache,
   const auto* nodes = accept_nodes.data_ptr<int32_t>();
   const auto* len = accept_len.data_ptr<int32_t>();
   const int64_t rows = L * B * H;
-  // A task moves a handful of short rows; batch enough of them to amortise the scheduling.
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, N * D));
+  // A row moves (path length) x D elements of K and of V: microseconds in all. Give each task
+  // about 256 KiB of copies so that small calls (one request) run inline and skip the thread
+  // wake-up, which costs more than the copy.
+  int64_t max_path = 1;
+  for (int64_t b = 0; b < B; ++b) max_path = std::max<int64_t>(max_path, len[b] + 1);
+  const int64_t row_bytes = 2 * max_path * D * k_cache.element_size();
+  const int64_t grain = std::max<int64_t>(1, (256 << 10) / row_bytes);
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "kv_compact_cpu",
                                   [&] {
