@@ -103,6 +103,10 @@ def build_tree(
     The result is always closed under ancestors (a parent ranks strictly ahead of its child). For
     EAGLE-2's candidates (cumulative log-probs never increase along a path) ``path_min`` is the
     score itself, so this is EAGLE-2's top-``T`` selection with ties broken toward the lower index.
+
+    Invalid values (a parent outside ``[-1, i)``, a parent that is an empty slot, a NaN score)
+    raise a RuntimeError on the CPU and trip a device-side assert on CUDA (no host sync). The CUDA
+    kernel keeps a request's candidates in shared memory: ``M <= 2048``.
     """
     return torch.ops.poss.build_tree(cand_tokens, cand_scores, cand_parents, root_token, num_nodes)
 
@@ -136,6 +140,9 @@ def kv_compact(
     For every layer, head and ``j = 0..accept_len[b]``, slot ``prefix_len[b] + accept_nodes[b, j]``
     is copied to slot ``prefix_len[b] + j``. Overlapping moves are handled (the result equals a
     gather from a copy of the cache). Slots past the new end keep stale values.
+
+    Invalid move lists raise a RuntimeError on the CPU before anything moves; on CUDA they trip a
+    device-side assert (no host sync).
     """
     torch.ops.poss.kv_compact(k_cache, v_cache, prefix_len, accept_nodes, accept_len)
 
