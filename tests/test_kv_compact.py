@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import poss_ext
 from poss_ext import reference
-from tests.conftest import devices
+from conftest import devices
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
