@@ -43,6 +43,7 @@ def load_library():
             raise ImportError(f"poss_ext._C does not match the installed torch ({e}). {_REBUILD}") from e
         raise ImportError(
             f"poss_ext._C is not built ({e}). Install poss with `pip install .`, or build in place "
-            "with `python setup.py build_ext --inplace`."
+            "with `python setup.py build_ext --inplace`. If poss is installed, Python may be picking up "
+            f"the source folder's poss_ext/ ({here}) instead: run from another folder."
         ) from e
     return _C

@@ -223,3 +223,89 @@ def _register_fallbacks(build_info: dict) -> None:
     for name in ("rms_norm", "add_rms_norm", "swiglu", "rope_qkv", "decoder_layer", "specialist_forward"):
         torch.library.register_kernel(f"poss::{name}", "CUDA", getattr(reference, name))
     torch.library.register_kernel("poss::tree_attention", "CUDA", reference.tree_attention)
+    torch.library.register_kernel("poss::build_tree", "CUDA", reference.build_tree)
+    torch.library.register_kernel("poss::kv_compact", "CUDA", reference.kv_compact)
+
+
+# ---------------------------------------------------------------------------------------------
+# build_tree and kv_compact
+
+
+def build_tree(
+    cand_tokens: Tensor,
+    cand_scores: Tensor,
+    cand_parents: Tensor,
+    root_token: Tensor,
+    num_nodes: int,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Assemble the EAGLE-2 dynamic draft tree from the draft's candidate beam, on the device.
+
+    Args:
+        cand_tokens: ``[B, M] int64``, the token of each candidate.
+        cand_scores: ``[B, M] float32``, cumulative draft log-prob of each candidate's path.
+            NaN is an error.
+        cand_parents: ``[B, M] int32``, ``-1`` = child of the root, else the index ``j < i`` of
+            the parent candidate; ``-2`` = empty slot (no candidate; lets requests have different
+            candidate counts).
+        root_token: ``[B] int64``, the last committed token (node 0).
+        num_nodes: tree size including the root, ``>= 1``.
+
+    Returns:
+        tokens: ``[B, num_nodes] int64``; padding nodes hold 0.
+        parents: ``[B, num_nodes] int32`` in the shared encoding (root -1, padding -2).
+        depth: ``[B, num_nodes] int32``; root 0, a child of the root 1; padding nodes 0.
+
+    Selection rule: rank the candidates by ``path_min`` (the lowest score on the path from the
+    root's child down to the candidate) descending, then by candidate index ascending, and keep
+    the first ``min(num_nodes - 1, #candidates)``, ordered by candidate index behind the root.
+    The result is always closed under ancestors (a parent ranks strictly ahead of its child). For
+    EAGLE-2's candidates (cumulative log-probs never increase along a path) ``path_min`` is the
+    score itself, so this is EAGLE-2's top-``T`` selection with ties broken toward the lower index.
+
+    Invalid values (a parent outside ``[-1, i)``, a parent that is an empty slot, a NaN score)
+    raise a RuntimeError on the CPU and trip a device-side assert on CUDA (no host sync). The CUDA
+    kernel keeps a request's candidates in shared memory: ``M <= 2048``.
+    """
+    return torch.ops.poss.build_tree(cand_tokens, cand_scores, cand_parents, root_token, num_nodes)
+
+
+@torch.library.register_fake("poss::build_tree")
+def _build_tree_fake(cand_tokens, cand_scores, cand_parents, root_token, num_nodes):
+    torch._check(cand_tokens.dim() == 2, lambda: "cand_tokens must be [B, M] int64")
+    torch._check(num_nodes >= 1, lambda: f"num_nodes must be >= 1, got {num_nodes}")
+    B = cand_tokens.shape[0]
+    return (
+        cand_tokens.new_empty((B, num_nodes), dtype=torch.int64),
+        cand_tokens.new_empty((B, num_nodes), dtype=torch.int32),
+        cand_tokens.new_empty((B, num_nodes), dtype=torch.int32),
+    )
+
+
+def kv_compact(
+    k_cache: Tensor, v_cache: Tensor, prefix_len: Tensor, accept_nodes: Tensor, accept_len: Tensor
+) -> None:
+    """Move the accepted path's K/V to contiguous slots behind the prefix, for every layer, in place.
+
+    Args:
+        k_cache: ``[L, B, Hkv, S, D]`` float32 / bfloat16 / float16, contiguous in ``D``;
+            modified in place.
+        v_cache: like ``k_cache`` (same shape and dtype, separate memory); modified in place.
+        prefix_len: ``[B] int32``, the slot of tree node 0.
+        accept_nodes: ``[B, N] int32``, from ``tree_verify``: the accepted path's node ids, root
+            first, strictly increasing; entries after ``accept_len[b]`` are ignored.
+        accept_len: ``[B] int32`` in ``[0, N)``, accepted draft tokens (root not counted).
+
+    For every layer, head and ``j = 0..accept_len[b]``, slot ``prefix_len[b] + accept_nodes[b, j]``
+    is copied to slot ``prefix_len[b] + j``. Overlapping moves are handled (the result equals a
+    gather from a copy of the cache). Slots past the new end keep stale values.
+
+    Invalid move lists raise a RuntimeError on the CPU before anything moves; on CUDA they trip a
+    device-side assert (no host sync).
+    """
+    torch.ops.poss.kv_compact(k_cache, v_cache, prefix_len, accept_nodes, accept_len)
+
+
+@torch.library.register_fake("poss::kv_compact")
+def _kv_compact_fake(k_cache, v_cache, prefix_len, accept_nodes, accept_len):
+    torch._check(k_cache.dim() == 5, lambda: "k_cache must be [L, B, Hkv, S, D]")
+    return None
