@@ -11,9 +11,17 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="show how the poss_ext kernels were built")
     sub.add_parser("demo", help="verify a small draft tree with torch.ops.poss.tree_verify")
-    for name in ("generate", "chat", "train", "eval"):
+    from poss import cli_generate
+
+    cli_generate.add_arguments(sub.add_parser("generate", help="generate text for one or more prompts"), chat=False)
+    cli_generate.add_arguments(sub.add_parser("chat", help="interactive multi-turn chat"), chat=True)
+    for name in ("train", "eval"):
         sub.add_parser(name, help=f"{name} (not available yet in this version)")
     args = parser.parse_args(argv)
+    if args.command == "generate":
+        return cli_generate.cmd_generate(args)
+    if args.command == "chat":
+        return cli_generate.cmd_chat(args)
     if args.command == "info":
         import poss_ext
 

@@ -1,0 +1,100 @@
+"""The sequence state of a batch: committed lengths, token and feature history, cache rows.
+
+Row ``b`` of every cache and buffer belongs to the request ``requests[b]``. Active requests always
+occupy rows ``0 .. B-1``: when one finishes, the last active row moves into its place, so every
+op keeps running on leading slices (``cache[:B]``) and a finished request costs nothing.
+
+Per row, with ``L`` the committed length (tokens ``x_0 .. x_{L-1}`` have target K/V in the cache):
+- ``ids[b, :L+1]`` holds ``x_0 .. x_L``; ``x_L`` is the round's root (the last bonus token), not yet
+  in the target cache.
+- ``feats[b, t]`` is the target's feature ``f_t`` for ``t < L``.
+- ``draft_len[b]`` pairs ``(x_{t+1}, f_t)`` are in every specialist's cache; the draft catches up
+  on ``t in [draft_len, L)`` at the start of a round.
+"""
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+from poss.models.kv_cache import StaticKVCache
+
+
+@dataclass
+class Request:
+    """Host-side bookkeeping of one prompt."""
+
+    index: int  # position in the caller's prompt list
+    prompt: List[int]
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    generated: List[int] = field(default_factory=list)
+    rounds: int = 0
+    accept_hist: List[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: Optional[str] = None
+    seconds: float = 0.0
+    text_end: Optional[int] = None  # set when a stop string cut the text
+
+
+class Sequences:
+    """Device buffers for ``requests`` (rows in order) plus the host mirror of their lengths."""
+
+    def __init__(self, requests: List[Request], hidden: int, capacity: int, feat_dtype, device, with_feats: bool):
+        B = len(requests)
+        self.requests = list(requests)
+        self.device = device
+        self.ids = torch.zeros(B, capacity, dtype=torch.int64, device=device)
+        self.feats = torch.zeros(B, capacity, hidden, dtype=feat_dtype, device=device) if with_feats else None
+        self.length = [0] * B  # host mirror of length_dev
+        self.draft_len = [0] * B
+        self.length_dev = torch.zeros(B, dtype=torch.int32, device=device)
+        self.draft_len_dev = torch.zeros(B, dtype=torch.int32, device=device)
+        greedy = all(r.temperature <= 0 for r in requests)
+        self.temperature = None if greedy else torch.tensor([max(r.temperature, 0.0) for r in requests], device=device)
+        self.top_k = None if greedy else torch.tensor([r.top_k for r in requests], dtype=torch.int32, device=device)
+        self.top_p = None if greedy else torch.tensor([r.top_p for r in requests], device=device)
+
+    @property
+    def batch(self) -> int:
+        return len(self.requests)
+
+    def root_tokens(self) -> Tensor:
+        """``[B] int64``: ``x_L`` of every row."""
+        return self.ids.gather(1, self.length_dev.long().unsqueeze(1)).squeeze(1)
+
+    def drop_finished(self, caches: List[StaticKVCache]) -> None:
+        """Remove finished rows, moving the last active row into each hole (caches included)."""
+        b = 0
+        while b < self.batch:
+            if not self.requests[b].finished:
+                b += 1
+                continue
+            last = self.batch - 1
+            if b != last:
+                used = max(self.length[last], self.draft_len[last]) + 1
+                for c in caches:
+                    c.k[:, b, :, :used] = c.k[:, last, :, :used]
+                    c.v[:, b, :, :used] = c.v[:, last, :, :used]
+                for t in (self.ids, self.feats, self.length_dev, self.draft_len_dev,
+                          self.temperature, self.top_k, self.top_p):
+                    if t is not None:
+                        t[b] = t[last]
+                self.requests[b] = self.requests[last]
+                self.length[b], self.draft_len[b] = self.length[last], self.draft_len[last]
+            self.requests.pop()
+            self.length.pop()
+            self.draft_len.pop()
+            # Row ``last`` is dead; the buffers keep their size, every op reads the leading B rows.
+            self._shrink()
+
+    def _shrink(self) -> None:
+        B = self.batch
+        self.ids, self.length_dev, self.draft_len_dev = self.ids[:B], self.length_dev[:B], self.draft_len_dev[:B]
+        if self.feats is not None:
+            self.feats = self.feats[:B]
+        if self.temperature is not None:
+            self.temperature, self.top_k, self.top_p = self.temperature[:B], self.top_k[:B], self.top_p[:B]
