@@ -82,10 +82,24 @@ def eval_prompts(n_per_set=4, max_len=48, vocab=300):
     return out
 
 
-def hf_greedy(model, prompt, max_new_tokens):
+def hf_greedy(model, prompt, max_new_tokens, **kw):
     """``transformers`` greedy continuation of one prompt (end token included, as HF returns it)."""
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, num_beams=1)
+                             do_sample=False, num_beams=1, **kw)
     return out[0, len(prompt):].tolist()
+
+
+class ByteTokenizer:
+    """A 256-token byte-level tokenizer (no chat template, no special tokens) for stop-string tests."""
+
+    eos_token_id = None
+    eos_token = None
+    chat_template = None
+
+    def get_vocab(self):
+        return {}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")

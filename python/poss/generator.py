@@ -171,6 +171,7 @@ class Generator:
         device = self.runner.device
         self.rng = torch.Generator(device=device).manual_seed(random.randrange(1 << 62) if seed is None else seed)
         caches = [self.runner.cache] + ([self.draft.caches] if speculate else [])
+        self.state = seq  # the live batch state, for inspection (tests, debugging)
 
         first = self.prefill(seq, depth)
         for b, r in enumerate(seq.requests):

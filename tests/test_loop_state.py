@@ -1,0 +1,47 @@
+"""State the loop carries across rounds equals a from-scratch recomputation over the committed text:
+every specialist's draft KV cache, and the target features the draft consumes."""
+
+import pytest
+import torch
+
+from loop_helpers import eval_prompts, make_generator, tiny_target
+from poss.forward import specialist_step
+from poss.models.kv_cache import StaticKVCache
+from poss.models.target import chain_parents
+
+
+def recompute_specialist(draft, j, tokens, feats):
+    """Specialist j's K/V over pairs (tokens[t], feats[t]) at positions t, on a fresh cache."""
+    saved = draft.caches
+    T = tokens.shape[0]
+    cfg = draft.config
+    draft.caches = StaticKVCache(cfg.n_specialists, 1, cfg.kv_heads, T + 4, cfg.head_dim, saved.k.dtype, saved.k.device)
+    try:
+        specialist_step(draft, j, tokens.view(1, T), feats.view(1, T, -1), torch.arange(T).view(1, T),
+                        chain_parents([T], T), torch.zeros(1, dtype=torch.int32))
+        return draft.caches.k[j, 0, :, :T].clone(), draft.caches.v[j, 0, :, :T].clone()
+    finally:
+        draft.caches = saved
+
+
+@pytest.mark.parametrize("n,ppl", [(3, 2), (6, 1), (1, 1)])
+def test_draft_caches_match_recomputation_after_several_rounds(n, ppl):
+    model = tiny_target(seed=5)
+    gen = make_generator(model, draft=True, n=n, ppl=ppl, aligned=True)
+    gen.end_ids = set()
+    reqs = gen._requests(eval_prompts(1)[:4], 60, 0.0, 0, 1.0)
+    run = gen._run(reqs, num_nodes=30, depth=6, top_k_draft=5, seed=0, stop=())
+    for _ in range(7):  # prefill + 6 rounds
+        next(run)
+    seq, draft = gen.state, gen.draft
+    assert min(seq.draft_len) > min(len(r.prompt) for r in reqs)  # rounds really committed tokens
+    for b in range(seq.batch):
+        d, L = seq.draft_len[b], seq.length[b]
+        ids = seq.ids[b, : L + 1]
+        with torch.no_grad():  # the target's features over the committed text, from scratch (HF)
+            hf_feats = model(ids[:L].view(1, -1), output_hidden_states=True).hidden_states[-1][0]
+        torch.testing.assert_close(seq.feats[b, :L], hf_feats, rtol=1e-4, atol=1e-4)
+        for j in range(n):
+            k, v = recompute_specialist(draft, j, ids[1: d + 1], hf_feats[:d])
+            torch.testing.assert_close(draft.caches.k[j, b, :, :d], k, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(draft.caches.v[j, b, :, :d], v, rtol=1e-4, atol=1e-4)
