@@ -1,0 +1,126 @@
+"""Edge cases of the loop: bad prompts, tiny budgets, early stops, stop strings, streaming, bf16."""
+
+import pytest
+import torch
+
+from loop_helpers import ByteTokenizer, eval_prompts, hf_greedy, make_generator, tiny_target
+from poss.generator import Generator
+
+PROMPTS = eval_prompts(1, max_len=24)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_target(seed=11)
+
+
+@pytest.fixture(scope="module")
+def gen(model):
+    return make_generator(model, draft=True, n=3, ppl=2, aligned=True)
+
+
+def test_empty_prompt_is_a_clear_error(gen):
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        gen.generate([PROMPTS[0], []], 4)
+
+
+@pytest.mark.parametrize("extra", [0, 5])
+def test_prompt_at_or_over_the_context_limit_is_a_clear_error(gen, extra):
+    limit = gen.context_limit
+    with pytest.raises(ValueError, match="context limit"):
+        gen.generate([[5] * (limit + extra)], 4)
+
+
+def test_generation_stops_at_the_context_limit(model):
+    g = make_generator(model, draft=True, n=3, ppl=2, aligned=True)
+    g.context_limit = len(PROMPTS[0]) + 10
+    res = g.generate([PROMPTS[0]], 50)
+    assert res.token_ids[0] == hf_greedy(model, PROMPTS[0], 10)[:len(res.token_ids[0])]
+    assert res.stats[0].finish_reason in ("context", "eos") and len(PROMPTS[0]) + res.stats[0].tokens <= g.context_limit
+
+
+def test_max_new_tokens_zero_and_one(gen, model):
+    res = gen.generate(PROMPTS[:2], 0)
+    assert res.token_ids == [[], []] and [s.tokens for s in res.stats] == [0, 0]
+    res = gen.generate(PROMPTS[:2], 1)
+    assert res.token_ids == [hf_greedy(model, p, 1) for p in PROMPTS[:2]]
+    assert all(s.rounds == 0 and s.finish_reason in ("length", "eos") for s in res.stats)
+
+
+@pytest.mark.parametrize("at", [0, 1, 3])
+def test_end_token_in_the_first_round(model, at):
+    ref = hf_greedy(model, PROMPTS[2], 8, eos_token_id=None)
+    end = ref[at]
+    g = make_generator(model, draft=True, n=3, ppl=2, aligned=True)
+    g.end_ids = {end}
+    res = g.generate([PROMPTS[2]], 30)
+    assert res.token_ids[0] == ref[: ref.index(end) + 1]
+    assert res.stats[0].finish_reason == "eos" and res.stats[0].rounds <= 1 + at
+
+
+def test_batch_where_one_request_stops_immediately(model):
+    first = hf_greedy(model, PROMPTS[0], 1)[0]
+    g = make_generator(model, draft=True, n=3, ppl=2, aligned=True)
+    g.end_ids = {first}
+    res = g.generate(PROMPTS[:4], 40)
+    assert res.token_ids[0] == [first] and res.stats[0].rounds == 0
+    for p, got in zip(PROMPTS[1:4], res.token_ids[1:4]):
+        assert got == hf_greedy(model, p, 40, eos_token_id=first)
+
+
+def test_finished_requests_leave_the_batch(model):
+    """Rounds of a request that stopped early are not run: its row is dropped from the batch."""
+    g = make_generator(model, draft=True, n=3, ppl=2, aligned=True)
+    g.end_ids = set()
+    reqs = g._requests(PROMPTS[:3], 40, 0.0, 0, 1.0)
+    reqs[1].max_new_tokens = 2
+    batches = []
+    run = g._run(reqs, num_nodes=30, depth=6, top_k_draft=5, seed=0, stop=())
+    next(run)
+    for _ in run:
+        batches.append(g.state.batch)
+    assert batches[0] == 3 and 2 in batches and batches[-1] >= 1
+    assert len(reqs[1].generated) == 2
+
+
+@pytest.fixture(scope="module")
+def byte_gen():
+    model = tiny_target(vocab=256, seed=2)
+    runner_gen = make_generator(model, draft=True, n=3, ppl=2, aligned=True)
+    return Generator(runner_gen.runner, tokenizer=ByteTokenizer(), draft=runner_gen.draft, end_ids=set())
+
+
+def test_stop_strings_cut_the_text_and_stream_matches(byte_gen):
+    prompt = list(b"Once upon a time")
+    full = byte_gen.generate([prompt], 60).texts[0]
+    stop = full[20:23]
+    cut = full.find(stop)
+    res = byte_gen.generate([prompt], 60, stop=[stop])
+    assert res.texts[0] == full[:cut] and res.stats[0].finish_reason == "stop"
+    pieces = list(byte_gen.stream(prompt, 60, stop=[stop]))
+    assert "".join(pieces) == full[:cut] and len(pieces) >= 1
+    assert stop not in "".join(pieces)
+    # Without a matching stop string the stream is the whole text.
+    assert "".join(byte_gen.stream(prompt, 60, stop=["\x00never\x00"])) == full
+
+
+def test_bf16_speculative_matches_our_bf16_autoregressive_loop():
+    """In bf16, greedy speculation equals our own bf16 AR loop; a divergence is only allowed at a
+    near-tie of the AR loop's logits (bf16 tree and single-token GEMMs round differently)."""
+    model = tiny_target(seed=4)
+    prompts = eval_prompts(2, max_len=32)[:8]
+    ar = make_generator(model, draft=False, dtype=torch.bfloat16)
+    spec = make_generator(model, draft=True, n=3, ppl=2, aligned=True, dtype=torch.bfloat16)
+    want = ar.generate(prompts, 64).token_ids
+    got = spec.generate(prompts, 64).token_ids
+    same = sum(g == w for g, w in zip(got, want))
+    print(f"bf16: {same}/{len(prompts)} identical to the bf16 AR loop")
+    for p, g, w in zip(prompts, got, want):
+        if g == w:
+            continue
+        k = next(i for i in range(min(len(g), len(w))) if g[i] != w[i])
+        with torch.no_grad():  # the fp32 model's logits at the divergence
+            ref = model(torch.tensor([p + w[:k]])).logits[0, -1]
+        gap = float(ref[w[k]] - ref[g[k]])
+        assert abs(gap) < 0.05 * float(ref.abs().max()), f"divergence at token {k} is not a near-tie (gap {gap})"
+    assert same >= len(prompts) - 2
