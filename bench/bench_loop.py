@@ -81,6 +81,16 @@ def main(argv=None):
         rows.append((f"random draft N={n} ppl={ppl}",
                      measure(gen, prompts, args.new, args.batch, num_nodes=args.num_nodes, depth=args.depth)))
     gen.draft = None
+    # The same loop on a tiny random Llama (hidden 256, 2 layers, vocab 300): the math is negligible,
+    # so its round time is the orchestration cost (Python + op dispatch) the real rounds carry too.
+    from loop_helpers import make_generator, tiny_target
+
+    tiny = make_generator(tiny_target(), draft=True, n=3, ppl=2)
+    torch.set_num_threads(args.threads)
+    tiny.end_ids = set()
+    tiny_prompts = [[b % 300 for b in bytes(gen.tokenizer.decode(p), "utf-8")][:200] for p in prompts]
+    rows.append(("tiny model, random draft N=3 (orchestration cost)",
+                 measure(tiny, tiny_prompts, args.new, args.batch, num_nodes=args.num_nodes, depth=args.depth)))
     print(f"SmolLM2-135M fp32, CPU threads={args.threads}, batch={args.batch}, {args.prompts} prompts x "
           f"{args.new} new tokens, tree: {args.num_nodes} nodes, depth {args.depth}, top-k 10")
     print("| loop | ms/round: draft | verify | commit | host | total | rounds | tokens/round | tokens/s |")

@@ -124,3 +124,16 @@ def test_bf16_speculative_matches_our_bf16_autoregressive_loop():
         gap = float(ref[w[k]] - ref[g[k]])
         assert abs(gap) < 0.05 * float(ref.abs().max()), f"divergence at token {k} is not a near-tie (gap {gap})"
     assert same >= len(prompts) - 2
+
+
+@pytest.mark.parametrize("kw,match", [(dict(num_nodes=0), "num_nodes"), (dict(num_nodes=300), "num_nodes"),
+                                      (dict(depth=-1), "depth"), (dict(top_k_draft=0), "top_k_draft"),
+                                      (dict(depth=40, top_k_draft=10), "256 nodes")])
+def test_bad_tree_parameters_are_clear_errors(gen, kw, match):
+    with pytest.raises(ValueError, match=match):
+        gen.generate([PROMPTS[0]], 4, **kw)
+
+
+def test_mismatched_per_request_parameters(gen):
+    with pytest.raises(ValueError, match="temperature has 3 values for 2 prompts"):
+        gen.generate(PROMPTS[:2], 4, temperature=[0.0, 0.5, 1.0])

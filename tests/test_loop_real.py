@@ -53,3 +53,28 @@ def test_real_smollm2_greedy_matches_hf(gen):
         assert got == want[: len(got)] and (len(got) == len(want) or got[-1] in gen.end_ids)
     assert all(s.rounds >= 1 for s in res.stats)
     assert res.texts[0] == gen.tokenizer.decode(res.token_ids[0], skip_special_tokens=True)
+
+
+def test_cli_generate_reports_speed_and_the_missing_draft(capsys):
+    from poss.api import shipped_draft
+    from poss.cli import main
+
+    assert main(["generate", "--prompt", "Say hi.", "--max-new-tokens", "6"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and "tokens/s" in err and "tau" in err
+    if shipped_draft("smollm2-135m") is None:
+        assert "no trained draft exists for target 'smollm2-135m'" in err
+    assert main(["generate", "--prompt", "Say hi.", "--prompt", "Count to 3.", "--no-draft",
+                 "--max-new-tokens", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert "--- prompt 1" in out and "no trained draft" not in err
+
+
+def test_cli_chat_is_multi_turn(monkeypatch, capsys):
+    from poss.cli import main
+
+    turns = iter(["My name is Ada.", "What is my name?", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(turns))
+    assert main(["chat", "--no-draft", "--max-new-tokens", "12"]) == 0
+    out, err = capsys.readouterr()
+    assert out.count("assistant>") == 2 and err.count("tokens/s") == 2

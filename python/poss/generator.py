@@ -56,6 +56,21 @@ def _per_request(value, n: int, name: str) -> list:
     return [value] * n
 
 
+def check_tree_params(num_nodes: int, depth: int, top_k_draft: int, vocab: int) -> None:
+    """Clear errors for tree shapes the kernels do not take (tree attention: <= 256 real nodes;
+    build_tree on CUDA: <= 2048 candidates)."""
+    if num_nodes < 1 or num_nodes > 256:
+        raise ValueError(f"num_nodes must be in [1, 256], got {num_nodes}")
+    if depth < 0:
+        raise ValueError(f"depth must be >= 0, got {depth}")
+    if not 1 <= top_k_draft <= vocab:
+        raise ValueError(f"top_k_draft must be in [1, vocab={vocab}], got {top_k_draft}")
+    if depth and depth + 1 + top_k_draft * (depth - 1) > 256:
+        raise ValueError(f"depth={depth} with top_k_draft={top_k_draft} drafts more than 256 nodes per round")
+    if depth and top_k_draft + (depth - 1) * top_k_draft ** 2 > 2048:
+        raise ValueError(f"depth={depth} with top_k_draft={top_k_draft} gives more than 2048 tree candidates")
+
+
 class Generator:
     """Lossless speculative generation with a PosS draft on a :class:`TargetRunner`.
 
@@ -154,6 +169,7 @@ class Generator:
 
     def _run(self, reqs: List[Request], num_nodes: int, depth: int, top_k_draft: int, seed, stop) -> Iterator[None]:
         start = time.perf_counter()
+        check_tree_params(num_nodes, depth, top_k_draft, self.runner.lm_head.shape[0])
         if reqs[0].max_new_tokens == 0:
             for r in reqs:
                 r.finished, r.finish_reason = True, "length"
