@@ -357,7 +357,16 @@ at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                           (grp.i1 + kKeyTile - 1) / kKeyTile;
     int64_t splits = 1;
     if (threads > 1 && ngroups < 4 * threads) {
-      splits = std::min((4 * threads + ngroups - 1) / ngroups, std::max<int64_t>(1, tiles / 2));
+      // Prefer a unit count that is a multiple of the thread count: parallel_for hands each
+      // thread one contiguous, equal-length run of units.
+      int64_t want = (4 * threads + ngroups - 1) / ngroups;
+      for (int64_t s = want; s < 2 * want; ++s) {
+        if (ngroups * s % threads == 0) {
+          want = s;
+          break;
+        }
+      }
+      splits = std::min(want, std::max<int64_t>(1, tiles / 2));
     }
     if (splits == 1) {
       units.push_back(Unit{grp.b, grp.h, grp.i0, grp.i1, 0, tiles, -1, gi});
