@@ -39,6 +39,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kKeyTile = 128;      // keys per tile
 constexpr int64_t kMaxGroupRows = 1024;  // beyond this many rows, chains tile their queries
 constexpr int64_t kChainRowTile = 256;   // rows per query tile of a long chain
+constexpr double kSerialMacs = 4e6;      // below this (~0.1 ms on one core), stay single-threaded
 
 // Row-major C[m x n] (ldc) = A[m x k] (lda) . op(B) + beta C, where op(B) = B^T for B stored
 // [n x k] (ldb) when b_transposed, else B stored [k x n]. All fp32.
@@ -346,7 +347,14 @@ at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
 
   // Split-K when the groups alone cannot keep every thread busy: aim at >= 4 units per thread,
   // but keep at least two key tiles per split so the merge stays cheap.
-  const int64_t threads = at::get_num_threads();
+  // Small calls (a draft level over a short prefix) run on the calling thread: waking a thread
+  // pool costs more than the work, and far more when another process holds the other cores.
+  double macs = 0.0;
+  for (const Group& grp : groups) {
+    macs += 2.0 * G * (grp.i1 - grp.i0) * (req[grp.b].prefix + grp.i1) * D;
+  }
+  const bool serial = macs < kSerialMacs;
+  const int64_t threads = serial ? 1 : at::get_num_threads();
   const int64_t ngroups = static_cast<int64_t>(groups.size());
   std::vector<Unit> units;
   int64_t parts = 0;
@@ -389,12 +397,13 @@ at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                  k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
                  out.data_ptr<scalar_t>(), Hq, Hkv, G, Nq, N, D, static_cast<float>(scale), req,
                  ws_out.data(), ws_state.data(), max_rows};
-    at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+    const int64_t nunits = static_cast<int64_t>(units.size());
+    at::parallel_for(0, nunits, serial ? nunits : 1, [&](int64_t begin, int64_t end) {
       typename K::Scratch sc(max_rows, D);
       for (int64_t u = begin; u < end; ++u) kern.run(units[u], sc);
     });
     if (parts > 0) {
-      at::parallel_for(0, ngroups, 1, [&](int64_t begin, int64_t end) {
+      at::parallel_for(0, ngroups, serial ? ngroups : 1, [&](int64_t begin, int64_t end) {
         std::vector<float> row;
         for (int64_t gi = begin; gi < end; ++gi) {
           if (groups[gi].num_parts > 1) kern.merge(groups[gi], row);
