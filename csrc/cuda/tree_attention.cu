@@ -155,20 +155,24 @@ tree_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restrict
     q_s[r][d] = x;
   }
 
+  // Fully unrolled loops over rr and c keep these arrays in registers.
   float acc[RPW][DPL];
   SoftmaxState st[RPW];
   int32_t node_of[RPW];
+#pragma unroll
   for (int rr = 0; rr < RPW; ++rr) {
     const int64_t row = row0 + warp * RPW + rr;
     node_of[rr] = row < p.rows ? static_cast<int32_t>(q0 + row / p.G) : n_real;  // n_real: none
     st[rr] = SoftmaxState{-INFINITY, 0.0f};
+#pragma unroll
     for (int c = 0; c < DPL; ++c) acc[rr][c] = 0.0f;
   }
 
   const scalar_t* kb = k + b * p.ks0 + h * p.ks1;
   const scalar_t* vb = v + b * p.vs0 + h * p.vs1;
   const int64_t prefix_keys = k_hi - k_lo;
-  const int64_t total = prefix_keys + tree_hi;
+  // A tile of padding queries only reads nothing.
+  const int64_t total = q0 + row0 / p.G >= n_real ? 0 : prefix_keys + tree_hi;
   for (int64_t t0 = 0; t0 < total; t0 += T) {
     __syncthreads();  // previous tile consumed (and q_s written, first time)
     for (int idx = threadIdx.x; idx < T * D; idx += kThreads) {
@@ -186,6 +190,7 @@ tree_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restrict
     __syncthreads();
 
     const int64_t key = t0 + lane;
+#pragma unroll
     for (int rr = 0; rr < RPW; ++rr) {
       const int32_t i = node_of[rr];
       if (i >= n_real) continue;  // padding row (warp-uniform)
@@ -218,6 +223,7 @@ tree_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restrict
     }
   }
 
+#pragma unroll
   for (int rr = 0; rr < RPW; ++rr) {
     const int64_t row = row0 + warp * RPW + rr;
     if (row >= p.rows) continue;
