@@ -3,7 +3,9 @@
 Verify case: prefix 2048, a random tree of N = 60 nodes, every node queries (Nq = N). Baselines over
 the same keys (prefix + tree slots): SDPA with the dense [Nq, S] tree mask, and unmasked SDPA (a lower
 bound: same FLOPs, no mask). Prefill case: a chain of 512 nodes (causal) vs SDPA is_causal=True.
-Compare within one benchmark group (same shapes, dtype).
+Compare within one benchmark group (same shapes, dtype, threads). The single-thread groups are the
+steadier ones on a shared machine: with every core in use, a multi-threaded call waits for a
+descheduled worker and the wall time measures the neighbours.
 """
 
 import pytest
@@ -37,11 +39,20 @@ def tree_inputs(B, Hq, Hkv, D, dtype):
     return q, k, v, prefix_len, parents, mask
 
 
+@pytest.fixture(params=[1, 0], ids=["1thread", "allthreads"])
+def threads(request):
+    old = torch.get_num_threads()
+    if request.param:
+        torch.set_num_threads(request.param)
+    yield torch.get_num_threads()
+    torch.set_num_threads(old)
+
+
 @pytest.mark.parametrize("impl", ["poss", "sdpa_dense_mask", "sdpa_unmasked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("B", [1, 4])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"Hq{s[0]}-Hkv{s[1]}-D{s[2]}")
-def test_tree_verify_attention(benchmark, shape, B, dtype, impl):
+def test_tree_verify_attention(benchmark, threads, shape, B, dtype, impl):
     Hq, Hkv, D = shape
     q, k, v, prefix_len, parents, mask = tree_inputs(B, Hq, Hkv, D, dtype)
     scale = D**-0.5
@@ -51,13 +62,13 @@ def test_tree_verify_attention(benchmark, shape, B, dtype, impl):
             q, k, v, attn_mask=mask, scale=scale, enable_gqa=True),
         "sdpa_unmasked": lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True),
     }
-    benchmark.group = f"tree N={NODES} prefix={PREFIX} Hq={Hq} Hkv={Hkv} D={D} B={B} {dtype}"
+    benchmark.group = f"tree N={NODES} prefix={PREFIX} Hq={Hq} Hkv={Hkv} D={D} B={B} {dtype} threads={threads}"
     benchmark.pedantic(fns[impl], rounds=10 if B == 1 else 4, warmup_rounds=1)
 
 
 @pytest.mark.parametrize("impl", ["poss", "sdpa_causal"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_chain_prefill_attention(benchmark, dtype, impl):
+def test_chain_prefill_attention(benchmark, threads, dtype, impl):
     Hq, Hkv, D, N = 9, 3, 64, 512
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(1, Hq, N, D, generator=gen).to(dtype)
@@ -69,5 +80,5 @@ def test_chain_prefill_attention(benchmark, dtype, impl):
         "poss": lambda: torch.ops.poss.tree_attention(q, k, v, prefix_len, parents, D**-0.5),
         "sdpa_causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
     }
-    benchmark.group = f"chain prefill N={N} Hq={Hq} Hkv={Hkv} D={D} {dtype}"
+    benchmark.group = f"chain prefill N={N} Hq={Hq} Hkv={Hkv} D={D} {dtype} threads={threads}"
     benchmark.pedantic(fns[impl], rounds=10, warmup_rounds=1)

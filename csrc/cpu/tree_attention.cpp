@@ -402,13 +402,11 @@ at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
       typename K::Scratch sc(max_rows, D);
       for (int64_t u = begin; u < end; ++u) kern.run(units[u], sc);
     });
-    if (parts > 0) {
-      at::parallel_for(0, ngroups, serial ? ngroups : 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> row;
-        for (int64_t gi = begin; gi < end; ++gi) {
-          if (groups[gi].num_parts > 1) kern.merge(groups[gi], row);
-        }
-      });
+    // The merge is O(rows * D * splits), negligible next to the attention; on the calling thread
+    // it avoids a second parallel region (each one is a barrier, costly on a contended machine).
+    std::vector<float> row;
+    for (int64_t gi = 0; parts > 0 && gi < ngroups; ++gi) {
+      if (groups[gi].num_parts > 1) kern.merge(groups[gi], row);
     }
   });
   return out;
