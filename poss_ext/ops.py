@@ -71,6 +71,43 @@ def _tree_verify_fake(parents, tokens, logits, temperature=None, top_k=None, top
     )
 
 
+def tree_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    prefix_len: Tensor,
+    parents: Tensor,
+    scale: float,
+) -> Tensor:
+    """Attention of the last ``Nq`` nodes of a draft tree over a KV cache prefix and their ancestors.
+
+    Args:
+        q: ``[B, Hq, Nq, D]`` float32 / bfloat16 / float16, the queries of tree nodes
+            ``N - Nq .. N - 1`` (``Nq = N`` to verify a whole tree; ``Nq < N`` for a draft level
+            that queries only its newest nodes). ``D`` in {64, 80, 96, 128, 256}.
+        k_cache: ``[B, Hkv, S, D]``, same dtype; ``Hq`` must be a multiple of ``Hkv`` (GQA). The
+            tree's own keys are already written at slots ``prefix_len[b] + i``. Any strides with a
+            unit stride on ``D`` are read in place.
+        v_cache: ``[B, Hkv, S, D]``, like ``k_cache``.
+        prefix_len: ``[B] int32``, committed prefix length; ``prefix_len[b] + n_real <= S``.
+        parents: ``[B, N] int32``, the tree (shared encoding). A chain (``parents[i] = i - 1``)
+            is causal attention and may have any length; other trees at most 256 real nodes.
+        scale: softmax scale, usually ``D ** -0.5``.
+
+    Returns:
+        ``[B, Hq, Nq, D]``, q's dtype. Query node ``i`` attends to slots ``[0, prefix_len[b])`` and
+        to ``prefix_len[b] + j`` for ``j`` = ``i`` or an ancestor of ``i``; padding queries are 0.
+        Softmax and accumulation are in float32.
+    """
+    return torch.ops.poss.tree_attention(q, k_cache, v_cache, prefix_len, parents, scale)
+
+
+@torch.library.register_fake("poss::tree_attention")
+def _tree_attention_fake(q, k_cache, v_cache, prefix_len, parents, scale):
+    torch._check(q.dim() == 4, lambda: "q must be [B, Hq, Nq, D]")
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
 def _register_fallbacks(build_info: dict) -> None:
     """Serve the ops on CUDA tensors with the pure-PyTorch references when no CUDA kernel was built."""
     if build_info["cuda"]:
@@ -78,6 +115,7 @@ def _register_fallbacks(build_info: dict) -> None:
     torch.library.register_kernel("poss::tree_verify", "CUDA", reference.tree_verify)
     torch.library.register_kernel("poss::build_tree", "CUDA", reference.build_tree)
     torch.library.register_kernel("poss::kv_compact", "CUDA", reference.kv_compact)
+    torch.library.register_kernel("poss::tree_attention", "CUDA", reference.tree_attention)
 
 
 # ---------------------------------------------------------------------------------------------

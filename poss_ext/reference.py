@@ -191,3 +191,44 @@ def kv_compact(
         dst = slice(pre[b], pre[b] + len(path))
         for cache in (k_cache, v_cache):
             cache[:, b, :, dst] = cache[:, b, :, :].index_select(2, src).clone()
+
+def tree_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    prefix_len: Tensor,
+    parents: Tensor,
+    scale: float,
+) -> Tensor:
+    """Reference of ``torch.ops.poss.tree_attention``; see ``poss_ext.ops.tree_attention``.
+
+    One request and one query head at a time: build the visibility mask over the cache slots
+    (the prefix, then the query node's ancestors and itself), softmax in float32, then V.
+    """
+    B, Hq, Nq, D = q.shape
+    Hkv, N = k_cache.shape[1], parents.shape[1]
+    group = Hq // Hkv
+    out = torch.zeros_like(q)
+    par = parents.tolist()
+    for b in range(B):
+        prefix = int(prefix_len[b])
+        n = real_nodes(par[b])
+        # visible[i, j]: tree node j is node i or one of its ancestors.
+        visible = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            visible[i, i] = True
+            if i > 0:
+                visible[i] |= visible[par[b][i]]
+        for qi in range(Nq):
+            node = N - Nq + qi
+            if node >= n:
+                continue  # padding query: output stays zero
+            keys = list(range(prefix)) + [prefix + j for j in range(n) if visible[node, j]]
+            idx = torch.tensor(keys, dtype=torch.long, device=q.device)
+            for hq in range(Hq):
+                h = hq // group
+                k = k_cache[b, h].index_select(0, idx).float()
+                v = v_cache[b, h].index_select(0, idx).float()
+                p = torch.softmax((k @ q[b, hq, qi].float()) * scale, dim=0)
+                out[b, hq, qi] = (p @ v).to(q.dtype)
+    return out
