@@ -1,6 +1,10 @@
-"""Turns a pytest-benchmark JSON file into the README's markdown table and a PNG plot.
+"""Turns a pytest-benchmark JSON file into the README's markdown table (and, for tree_verify, a PNG).
 
     python bench/report.py out/tree_verify.json [--png out/tree_verify.png]
+    python bench/report.py out/tree_attention.json      # any other bench: one row per group
+
+Other benches are tabulated per benchmark group: one column per `impl` parameter, and the time of
+each baseline divided by the time of `poss` (how many times faster poss is).
 
 Ratios compare timings taken in the same run (the machine is shared and noisy).
 """
@@ -27,7 +31,9 @@ def ms(seconds):
 
 
 def ratio(a, b):
-    return f"{a / b:.2f}×" if a is not None and b is not None else "–"
+    if a is None or b is None:
+        return "–"
+    return "<0.01×" if a / b < 0.01 else f"{a / b:.2f}×"
 
 
 def tree_verify_table(rows):
@@ -68,11 +74,35 @@ def plot(rows, png):
     fig.savefig(png, dpi=110)
 
 
+def group_table(path):
+    with open(path) as f:
+        data = json.load(f)
+    groups, impls = defaultdict(dict), []
+    for bench in data["benchmarks"]:
+        impl = bench["params"].get("impl", bench["name"])
+        if impl not in impls:
+            impls.append(impl)
+        groups[bench["group"]][impl] = bench["stats"]["median"]
+    primary = "poss" if "poss" in impls else impls[0]
+    others = [i for i in impls if i != primary]
+    head = ["group"] + [f"{i} (ms)" for i in impls] + [f"{o} / {primary}" for o in others]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for group, times in groups.items():
+        cells = [group] + [ms(times.get(i)) for i in impls] + [ratio(times.get(o), times.get(primary)) for o in others]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("json")
     parser.add_argument("--png")
     args = parser.parse_args()
+    with open(args.json) as f:
+        is_tree_verify = any(b["params"].get("impl") == "argmax_floor" for b in json.load(f)["benchmarks"])
+    if not is_tree_verify:
+        print(group_table(args.json))
+        return
     rows = load(args.json)
     print(tree_verify_table(rows))
     if args.png:
