@@ -23,6 +23,7 @@
 
 #include "poss/tree_attention.h"
 #include "poss/tree_attention_args.h"
+#include "poss/tree_checks.h"
 
 // Fortran BLAS exported by libtorch_cpu (MKL or OpenBLAS, LP64). Weak: a torch without it makes
 // this null and the kernel falls back to at::mm on the same tiles.
@@ -269,27 +270,15 @@ void check_values(const at::Tensor& parents, const at::Tensor& prefix_len, int64
   const int64_t B = parents.size(0), N = parents.size(1);
   const auto* par = parents.data_ptr<int32_t>();
   const auto* pl = prefix_len.data_ptr<int32_t>();
-  std::vector<AttnTreeInfo> info(B);
+  std::vector<TreeScan> info(B);
   int64_t general = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int32_t* row = par + b * N;
-    const AttnTreeInfo t = scan_attention_tree(row, static_cast<int32_t>(N));
-    const int64_t i = t.node;
-    switch (t.error) {
-      case AttnTreeError::kOk: break;
-      case AttnTreeError::kRootParent:
-        TORCH_CHECK(false, "parents[", b, ", 0] must be -1 (the root), got ", row[0]);
-      case AttnTreeError::kParentOutOfRange:
-        TORCH_CHECK(false, "parents[", b, ", ", i, "] = ", row[i], " must be in [0, ", i,
-                    ") (topological order) or -2 (padding)");
-      case AttnTreeError::kPaddingNotTrailing:
-        TORCH_CHECK(false, "parents[", b, ", ", i, "] = ", row[i],
-                    " is a real node after padding; padding nodes (-2) must come last");
-      case AttnTreeError::kTooManyNodes:
-        TORCH_CHECK(false, "parents[", b, "] is a general (non-chain) tree with ", t.n_real,
-                    " real nodes; at most ", kAttnMaxTreeNodes,
-                    " are supported (chains, parents[i] = i - 1, have no limit)");
-    }
+    const TreeScan t = scan_parents(row, static_cast<int32_t>(N));
+    check_tree_scan(t, b, row);
+    TORCH_CHECK(attention_tree_fits(t), "parents[", b, "] is a general (non-chain) tree with ",
+                t.n_real, " real nodes; at most ", kAttnMaxTreeNodes,
+                " are supported (chains, parents[i] = i - 1, have no limit)");
     TORCH_CHECK(pl[b] >= 0 && pl[b] + int64_t{t.n_real} <= S, "prefix_len[", b, "] = ", pl[b],
                 " must be >= 0 and leave room for the tree's ", t.n_real,
                 " real nodes in k_cache (S = ", S, ")");
