@@ -28,3 +28,33 @@ TORCH_LIBRARY(poss, m) {
       "kv_compact(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor prefix_len, Tensor accept_nodes, "
       "Tensor accept_len) -> ()");
 }
+
+// ---- Decoder-layer building blocks (issue 4). Rows are the last dimension; any leading shape. ----
+TORCH_LIBRARY_FRAGMENT(poss, m) {
+  // out = x * rsqrt(mean(x^2) + eps) * weight, statistics in fp32.
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  // sum = x + residual (rounded to x's dtype); out = rms_norm(sum, weight, eps).
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor out, Tensor sum)");
+  // gate_up [..., 2F] (gate first, then up) -> silu(gate) * up [..., F].
+  m.def("swiglu(Tensor gate_up) -> Tensor");
+  // Splits a fused QKV projection [B, T, (Hq + 2 Hkv) D], applies rotate-half RoPE at `positions`
+  // to q and k, writes k and v into the caches at slots start[b] + t, returns q as [B, Hq, T, D].
+  m.def(
+      "rope_qkv(Tensor qkv, Tensor positions, Tensor inv_freq, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor start, int num_heads, int num_kv_heads) -> Tensor");
+  // One Llama/Qwen2/Mistral decoder layer over the last T nodes of a tree (prefill = chain tree):
+  // optional input RMSNorm, fused QKV (+bias), RoPE, K/V written at slots prefix_len + N - T + t,
+  // tree attention, o-proj + residual, post-attention RMSNorm, SwiGLU MLP, down-proj + residual.
+  m.def(
+      "decoder_layer(Tensor x, Tensor? in_norm_w, Tensor w_qkv, Tensor? b_qkv, Tensor w_o, "
+      "Tensor post_norm_w, Tensor w_gate_up, Tensor w_down, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor prefix_len, Tensor parents, Tensor positions, Tensor inv_freq, int num_heads, "
+      "int num_kv_heads, float eps) -> Tensor");
+  // One PosS specialist over T new tokens: u = fc([embeds; features]) then the decoder layer above
+  // without input norm, on that specialist's own cache.
+  m.def(
+      "specialist_forward(Tensor embeds, Tensor features, Tensor fc_w, Tensor? fc_b, Tensor w_qkv, "
+      "Tensor w_o, Tensor post_norm_w, Tensor w_gate_up, Tensor w_down, Tensor(a!) k_cache, "
+      "Tensor(b!) v_cache, Tensor prefix_len, Tensor parents, Tensor positions, Tensor inv_freq, "
+      "int num_heads, int num_kv_heads, float eps) -> Tensor");
+}

@@ -71,6 +71,113 @@ def _tree_verify_fake(parents, tokens, logits, temperature=None, top_k=None, top
     )
 
 
+# ---- Decoder-layer building blocks (issue 4) ------------------------------------------------
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dim: ``x [..., H]`` float32/bf16/fp16, ``weight [H]`` same dtype -> ``[..., H]``."""
+    return torch.ops.poss.rms_norm(x, weight, eps)
+
+
+@torch.library.register_fake("poss::rms_norm")
+def _rms_norm_fake(x, weight, eps):
+    torch._check(weight.shape == (x.shape[-1],), lambda: "weight must be [H]")
+    return torch.empty_like(x)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
+    """``sum = x + residual`` (rounded to x's dtype), ``out = rms_norm(sum)``; returns ``(out, sum)``, both ``[..., H]``."""
+    return torch.ops.poss.add_rms_norm(x, residual, weight, eps)
+
+
+@torch.library.register_fake("poss::add_rms_norm")
+def _add_rms_norm_fake(x, residual, weight, eps):
+    torch._check(residual.shape == x.shape, lambda: "residual must have x's shape")
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def swiglu(gate_up: Tensor) -> Tensor:
+    """``gate_up [..., 2F]`` (gate, then up) -> ``silu(gate) * up`` ``[..., F]``."""
+    return torch.ops.poss.swiglu(gate_up)
+
+
+@torch.library.register_fake("poss::swiglu")
+def _swiglu_fake(gate_up):
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+def rope_qkv(qkv: Tensor, positions: Tensor, inv_freq: Tensor, k_cache: Tensor, v_cache: Tensor,
+             start: Tensor, num_heads: int, num_kv_heads: int) -> Tensor:
+    """Split a fused QKV projection, apply RoPE, write K/V into the cache, return rotated q.
+
+    Args:
+        qkv: ``[B, T, (Hq + 2 Hkv) D]``; per token q heads, then k heads, then v heads.
+        positions: ``[B, T] int64`` RoPE positions.
+        inv_freq: ``[D / 2] float32`` inverse frequencies (any RoPE scaling is folded in here).
+        k_cache, v_cache: ``[B, Hkv, S, D]``, qkv's dtype; token t goes to slot ``start[b] + t`` (in place).
+        start: ``[B] int32``.
+    Returns:
+        q: ``[B, Hq, T, D]``. Rotate-half layout (HF Llama): element i pairs with i + D/2.
+    """
+    return torch.ops.poss.rope_qkv(qkv, positions, inv_freq, k_cache, v_cache, start, num_heads, num_kv_heads)
+
+
+@torch.library.register_fake("poss::rope_qkv")
+def _rope_qkv_fake(qkv, positions, inv_freq, k_cache, v_cache, start, num_heads, num_kv_heads):
+    B, T, _ = qkv.shape
+    return qkv.new_empty((B, num_heads, T, k_cache.shape[-1]))
+
+
+def decoder_layer(x, in_norm_w, w_qkv, b_qkv, w_o, post_norm_w, w_gate_up, w_down, k_cache, v_cache,
+                  prefix_len, parents, positions, inv_freq, num_heads: int, num_kv_heads: int,
+                  eps: float) -> Tensor:
+    """One fused Llama/Qwen2/Mistral decoder layer over the tree's last T nodes.
+
+    Args:
+        x: ``[B, T, H]`` residual stream in; float32/bf16/fp16.
+        in_norm_w: ``[H]`` input RMSNorm weight, or None (PosS specialists have none).
+        w_qkv: ``[(Hq + 2 Hkv) D, H]`` q, k, v projections stacked; b_qkv: ``[(Hq + 2 Hkv) D]`` or None.
+        w_o: ``[H, Hq D]``; post_norm_w: ``[H]``; w_gate_up: ``[2F, H]`` (gate rows, then up rows);
+        w_down: ``[H, F]``.
+        k_cache, v_cache: ``[B, Hkv, S, D]``; the new tokens' K/V are written at slots
+            ``prefix_len + N - T + t`` (in place).
+        prefix_len: ``[B] int32`` committed cache length; parents: ``[B, N] int32`` tree (N >= T);
+        positions: ``[B, T] int64``; inv_freq: ``[D / 2] float32``.
+    Returns:
+        ``[B, T, H]`` residual stream out.
+    """
+    return torch.ops.poss.decoder_layer(x, in_norm_w, w_qkv, b_qkv, w_o, post_norm_w, w_gate_up, w_down,
+                                        k_cache, v_cache, prefix_len, parents, positions, inv_freq,
+                                        num_heads, num_kv_heads, eps)
+
+
+@torch.library.register_fake("poss::decoder_layer")
+def _decoder_layer_fake(x, *args):
+    return torch.empty_like(x)
+
+
+def specialist_forward(embeds, features, fc_w, fc_b, w_qkv, w_o, post_norm_w, w_gate_up, w_down,
+                       k_cache, v_cache, prefix_len, parents, positions, inv_freq, num_heads: int,
+                       num_kv_heads: int, eps: float) -> Tensor:
+    """One PosS specialist over T new tokens, fused: ``u = fc([embeds; features])``, then
+    :func:`decoder_layer` without input norm on that specialist's cache.
+
+    Args:
+        embeds, features: ``[B, T, H]``: the target embedding of x_{t+1} and the feature f_t.
+        fc_w: ``[H, 2H]``; fc_b: ``[H]`` or None. Other arguments as in :func:`decoder_layer`.
+    Returns:
+        ``[B, T, H]``: the specialist's output features (lm_head input, no norm).
+    """
+    return torch.ops.poss.specialist_forward(embeds, features, fc_w, fc_b, w_qkv, w_o, post_norm_w,
+                                             w_gate_up, w_down, k_cache, v_cache, prefix_len, parents,
+                                             positions, inv_freq, num_heads, num_kv_heads, eps)
+
+
+@torch.library.register_fake("poss::specialist_forward")
+def _specialist_forward_fake(embeds, *args):
+    return torch.empty_like(embeds)
+
+
 def tree_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -115,6 +222,8 @@ def _register_fallbacks(build_info: dict) -> None:
     torch.library.register_kernel("poss::tree_verify", "CUDA", reference.tree_verify)
     torch.library.register_kernel("poss::build_tree", "CUDA", reference.build_tree)
     torch.library.register_kernel("poss::kv_compact", "CUDA", reference.kv_compact)
+    for name in ("rms_norm", "add_rms_norm", "swiglu", "rope_qkv", "decoder_layer", "specialist_forward"):
+        torch.library.register_kernel(f"poss::{name}", "CUDA", getattr(reference, name))
     torch.library.register_kernel("poss::tree_attention", "CUDA", reference.tree_attention)
 
 

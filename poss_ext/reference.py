@@ -192,6 +192,82 @@ def kv_compact(
         for cache in (k_cache, v_cache):
             cache[:, b, :, dst] = cache[:, b, :, :].index_select(2, src).clone()
 
+
+# ---- Decoder-layer building blocks (issue 4) ------------------------------------------------
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Reference of ``poss::rms_norm``: HF Llama RMSNorm, statistics in fp32."""
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return out.to(x.dtype)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
+    """Reference of ``poss::add_rms_norm``: (rms_norm(x + residual), x + residual)."""
+    s = (x.float() + residual.float()).to(x.dtype)
+    return rms_norm(s, weight, eps), s
+
+
+def swiglu(gate_up: Tensor) -> Tensor:
+    """Reference of ``poss::swiglu``: silu(gate) * up for gate_up = [gate | up]."""
+    g, u = gate_up.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(g) * u).to(gate_up.dtype)
+
+
+def rope_rotate(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
+    """Rotate-half RoPE of ``x [B, T, H, D]`` at ``positions [B, T]``, in fp32."""
+    ang = positions.float().unsqueeze(-1) * inv_freq.float()  # [B, T, D/2]
+    cos = torch.cat([ang.cos(), ang.cos()], -1).unsqueeze(2)
+    sin = torch.cat([ang.sin(), ang.sin()], -1).unsqueeze(2)
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+
+
+def rope_qkv(qkv: Tensor, positions: Tensor, inv_freq: Tensor, k_cache: Tensor, v_cache: Tensor,
+             start: Tensor, num_heads: int, num_kv_heads: int) -> Tensor:
+    """Reference of ``poss::rope_qkv``; see ``poss_ext.ops.rope_qkv``."""
+    B, T, _ = qkv.shape
+    D = k_cache.shape[-1]
+    q, k, v = qkv.view(B, T, num_heads + 2 * num_kv_heads, D).split(
+        [num_heads, num_kv_heads, num_kv_heads], dim=2)
+    q = rope_rotate(q, positions, inv_freq)
+    k = rope_rotate(k, positions, inv_freq)
+    for b in range(B):
+        s = int(start[b])
+        if s < 0 or s + T > k_cache.shape[2]:
+            raise RuntimeError(f"start[{b}] + T must lie within the cache (S = {k_cache.shape[2]})")
+        k_cache[b, :, s:s + T] = k[b].transpose(0, 1)
+        v_cache[b, :, s:s + T] = v[b].transpose(0, 1)
+    return q.transpose(1, 2).contiguous()
+
+
+def decoder_layer(x, in_norm_w, w_qkv, b_qkv, w_o, post_norm_w, w_gate_up, w_down, k_cache, v_cache,
+                  prefix_len, parents, positions, inv_freq, num_heads, num_kv_heads, eps):
+    """Reference of ``poss::decoder_layer`` built from the references above and ``tree_attention``."""
+    B, T, H = x.shape
+    D = k_cache.shape[-1]
+    N = parents.shape[1]
+    a = rms_norm(x, in_norm_w, eps) if in_norm_w is not None else x
+    qkv = torch.nn.functional.linear(a, w_qkv, b_qkv)
+    start = (prefix_len + (N - T)).to(torch.int32)
+    q = rope_qkv(qkv, positions, inv_freq, k_cache, v_cache, start, num_heads, num_kv_heads)
+    attn = torch.ops.poss.tree_attention(q, k_cache, v_cache, prefix_len, parents, D ** -0.5)
+    o = attn.transpose(1, 2).reshape(B, T, num_heads * D) @ w_o.t()
+    m_in, h = add_rms_norm(o, x, post_norm_w, eps)
+    return h + swiglu(m_in @ w_gate_up.t()) @ w_down.t()
+
+
+def specialist_forward(embeds, features, fc_w, fc_b, w_qkv, w_o, post_norm_w, w_gate_up, w_down,
+                       k_cache, v_cache, prefix_len, parents, positions, inv_freq, num_heads,
+                       num_kv_heads, eps):
+    """Reference of ``poss::specialist_forward``: fc([embeds; features]) then a norm-free decoder layer."""
+    u = torch.nn.functional.linear(torch.cat([embeds, features], -1), fc_w, fc_b)
+    return decoder_layer(u, None, w_qkv, None, w_o, post_norm_w, w_gate_up, w_down, k_cache, v_cache,
+                         prefix_len, parents, positions, inv_freq, num_heads, num_kv_heads, eps)
+
+
 def tree_attention(
     q: Tensor,
     k_cache: Tensor,

@@ -1,0 +1,178 @@
+// poss::decoder_layer and poss::specialist_forward, written once on decoder_layer_forward and
+// registered for every device: the per-device work happens in the ops it dispatches to.
+#include "poss/decoder_layer.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "poss/arg_checks.h"
+#include "poss/layer_args.h"
+
+namespace poss {
+namespace {
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+at::Tensor call_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  static auto h = op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("poss::rms_norm");
+  return h.call(x, w, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor> call_add_rms_norm(const at::Tensor& x, const at::Tensor& r,
+                                                     const at::Tensor& w, double eps) {
+  static auto h = op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                        const at::Tensor&, double)>("poss::add_rms_norm");
+  return h.call(x, r, w, eps);
+}
+
+at::Tensor call_swiglu(const at::Tensor& x) {
+  static auto h = op<at::Tensor(const at::Tensor&)>("poss::swiglu");
+  return h.call(x);
+}
+
+at::Tensor call_rope_qkv(const at::Tensor& qkv, const at::Tensor& pos, const at::Tensor& inv_freq,
+                         at::Tensor& k, at::Tensor& v, const at::Tensor& start, int64_t hq, int64_t hkv) {
+  static auto h = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&,
+                                at::Tensor&, const at::Tensor&, int64_t, int64_t)>("poss::rope_qkv");
+  return h.call(qkv, pos, inv_freq, k, v, start, hq, hkv);
+}
+
+at::Tensor call_tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& prefix_len, const at::Tensor& parents, double scale) {
+  static auto h = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, const at::Tensor&, double)>("poss::tree_attention");
+  return h.call(q, k, v, prefix_len, parents, scale);
+}
+
+// y = x @ w^T (+ bias) (+ add): one GEMM; the residual / bias add rides in the GEMM's beta term.
+at::Tensor gemm_nt(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& add) {
+  return add.has_value() ? at::addmm(*add, x, w.t()) : at::mm(x, w.t());
+}
+
+void check_weight(const at::Tensor& t, const char* name, int64_t rows, int64_t cols,
+                  const at::Tensor& x) {
+  check_dim(t, name, 2, "[out, in]");
+  check_size(t, name, 0, rows, "the expected output features");
+  check_size(t, name, 1, cols, "the expected input features");
+  check_dtype(t, name, x.scalar_type());
+  check_same_device(t, name, x, "x");
+}
+
+void check_vector(const at::Tensor& t, const char* name, int64_t n, const at::Tensor& x) {
+  check_dim(t, name, 1, "[n]");
+  check_size(t, name, 0, n, "the expected size");
+  check_dtype(t, name, x.scalar_type());
+  check_same_device(t, name, x, "x");
+}
+
+void check_layer(const at::Tensor& x, const LayerWeights& w, const LayerInputs& in) {
+  check_float_dtype(x, "x");
+  check_dim(x, "x", 3, "[B, T, H]");
+  check_dim(in.k_cache, "k_cache", 4, "[B, Hkv, S, D]");
+  TORCH_CHECK(in.num_heads > 0 && in.num_kv_heads > 0 && in.num_heads % in.num_kv_heads == 0,
+              "num_heads must be a positive multiple of num_kv_heads, got ", in.num_heads, " and ",
+              in.num_kv_heads);
+  const int64_t B = x.size(0), T = x.size(1), H = x.size(2), D = in.k_cache.size(3);
+  const int64_t qkv = (in.num_heads + 2 * in.num_kv_heads) * D;
+  TORCH_CHECK(w.w_gate_up.dim() == 2 && w.w_gate_up.size(0) % 2 == 0,
+              "w_gate_up must be [2F, H] (gate rows then up rows), got shape ", shape_str(w.w_gate_up));
+  const int64_t F = w.w_gate_up.size(0) / 2;
+  if (w.in_norm_w) check_vector(*w.in_norm_w, "in_norm_w", H, x);
+  check_weight(w.w_qkv, "w_qkv", qkv, H, x);
+  if (w.b_qkv) check_vector(*w.b_qkv, "b_qkv", qkv, x);
+  check_weight(w.w_o, "w_o", H, in.num_heads * D, x);
+  check_vector(w.post_norm_w, "post_norm_w", H, x);
+  check_weight(w.w_gate_up, "w_gate_up", 2 * F, H, x);
+  check_weight(w.w_down, "w_down", H, F, x);
+  check_dtype(in.prefix_len, "prefix_len", at::kInt);
+  check_dim(in.prefix_len, "prefix_len", 1, "[B]");
+  check_size(in.prefix_len, "prefix_len", 0, B, "B");
+  check_same_device(in.prefix_len, "prefix_len", x, "x");
+  check_dtype(in.parents, "parents", at::kInt);
+  check_dim(in.parents, "parents", 2, "[B, N]");
+  check_size(in.parents, "parents", 0, B, "B");
+  check_same_device(in.parents, "parents", x, "x");
+  TORCH_CHECK(in.parents.size(1) >= T, "parents must hold at least T = ", T,
+              " nodes (the new tokens are its last T nodes), got shape ", shape_str(in.parents));
+}
+
+}  // namespace
+
+at::Tensor decoder_layer_forward(const at::Tensor& x, const LayerWeights& w, LayerInputs& in) {
+  check_layer(x, w, in);
+  const int64_t B = x.size(0), T = x.size(1), H = x.size(2), D = in.k_cache.size(3);
+  const int64_t N = in.parents.size(1);
+  const auto x2 = x.reshape({B * T, H});
+  const auto a = w.in_norm_w ? call_rms_norm(x2, *w.in_norm_w, in.eps) : x2;
+  const auto qkv = gemm_nt(a, w.w_qkv, w.b_qkv).view({B, T, -1});
+  // The new tokens are the tree's last T nodes; node i's K/V lives at slot prefix_len + i.
+  const auto start = in.prefix_len + static_cast<int32_t>(N - T);
+  const auto q = call_rope_qkv(qkv, in.positions, in.inv_freq, in.k_cache, in.v_cache, start,
+                               in.num_heads, in.num_kv_heads);
+  const auto attn = call_tree_attention(q, in.k_cache, in.v_cache, in.prefix_len, in.parents,
+                                        1.0 / std::sqrt(static_cast<double>(D)));
+  const auto attn2 = attn.transpose(1, 2).reshape({B * T, in.num_heads * D});
+  auto [m_in, h] = call_add_rms_norm(at::mm(attn2, w.w_o.t()), x2, w.post_norm_w, in.eps);
+  const auto act = call_swiglu(at::mm(m_in, w.w_gate_up.t()));
+  return gemm_nt(act, w.w_down, h).view({B, T, H});
+}
+
+namespace {
+
+at::Tensor decoder_layer_op(const at::Tensor& x, const std::optional<at::Tensor>& in_norm_w,
+                            const at::Tensor& w_qkv, const std::optional<at::Tensor>& b_qkv,
+                            const at::Tensor& w_o, const at::Tensor& post_norm_w,
+                            const at::Tensor& w_gate_up, const at::Tensor& w_down, at::Tensor& k_cache,
+                            at::Tensor& v_cache, const at::Tensor& prefix_len, const at::Tensor& parents,
+                            const at::Tensor& positions, const at::Tensor& inv_freq, int64_t num_heads,
+                            int64_t num_kv_heads, double eps) {
+  LayerWeights w{in_norm_w, w_qkv, b_qkv, w_o, post_norm_w, w_gate_up, w_down};
+  LayerInputs in{k_cache, v_cache, prefix_len, parents, positions, inv_freq, num_heads, num_kv_heads, eps};
+  return decoder_layer_forward(x, w, in);
+}
+
+at::Tensor specialist_forward_op(const at::Tensor& embeds, const at::Tensor& features,
+                                 const at::Tensor& fc_w, const std::optional<at::Tensor>& fc_b,
+                                 const at::Tensor& w_qkv, const at::Tensor& w_o,
+                                 const at::Tensor& post_norm_w, const at::Tensor& w_gate_up,
+                                 const at::Tensor& w_down, at::Tensor& k_cache, at::Tensor& v_cache,
+                                 const at::Tensor& prefix_len, const at::Tensor& parents,
+                                 const at::Tensor& positions, const at::Tensor& inv_freq,
+                                 int64_t num_heads, int64_t num_kv_heads, double eps) {
+  check_float_dtype(embeds, "embeds");
+  check_dim(embeds, "embeds", 3, "[B, T, H]");
+  TORCH_CHECK(features.sizes() == embeds.sizes(), "features must have embeds' shape ",
+              shape_str(embeds), ", got ", shape_str(features));
+  check_dtype(features, "features", embeds.scalar_type());
+  check_same_device(features, "features", embeds, "embeds");
+  const int64_t B = embeds.size(0), T = embeds.size(1), H = embeds.size(2);
+  check_weight(fc_w, "fc_w", H, 2 * H, embeds);
+  if (fc_b) check_vector(*fc_b, "fc_b", H, embeds);
+  // Embedding first, then feature, as in EAGLE's fc([e; f]).
+  const auto ef = at::cat({embeds.reshape({B * T, H}), features.reshape({B * T, H})}, 1);
+  const auto u = gemm_nt(ef, fc_w, fc_b).view({B, T, H});
+  LayerWeights w{std::nullopt, w_qkv, std::nullopt, w_o, post_norm_w, w_gate_up, w_down};
+  LayerInputs in{k_cache, v_cache, prefix_len, parents, positions, inv_freq, num_heads, num_kv_heads, eps};
+  return decoder_layer_forward(u, w, in);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(poss, CPU, m) {
+  m.impl("decoder_layer", &decoder_layer_op);
+  m.impl("specialist_forward", &specialist_forward_op);
+}
+
+#ifdef POSS_WITH_CUDA
+TORCH_LIBRARY_IMPL(poss, CUDA, m) {
+  m.impl("decoder_layer", &decoder_layer_op);
+  m.impl("specialist_forward", &specialist_forward_op);
+}
+#endif
+
+}  // namespace poss

@@ -1,0 +1,76 @@
+"""The PosS draft's configuration and the fingerprint that ties a draft to its target's weights."""
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict
+
+import torch
+
+
+@dataclass
+class DraftConfig:
+    """Everything needed to rebuild a PosS draft; stored as ``config.json`` beside the weights.
+
+    ``n_specialists = 1`` is EAGLE-2 / HASS. Draft position p (1-based) uses specialist
+    ``min((p - 1) // positions_per_specialist, n_specialists - 1)``.
+    """
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    rope: Dict = field(default_factory=lambda: {"rope_theta": 10000.0, "rope_type": "default"})
+    rms_eps: float = 1e-5
+    n_specialists: int = 1
+    positions_per_specialist: int = 1
+    fc_bias: bool = True
+    target_name: str = ""
+    target_fingerprint: str = ""
+
+    def __post_init__(self):
+        if self.n_specialists < 1 or self.positions_per_specialist < 1:
+            raise ValueError("n_specialists and positions_per_specialist must be >= 1")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+
+    def specialist_for(self, position: int) -> int:
+        """Specialist index drafting 1-based draft position ``position``."""
+        if position < 1:
+            raise ValueError(f"draft positions are 1-based, got {position}")
+        return min((position - 1) // self.positions_per_specialist, self.n_specialists - 1)
+
+    def save(self, path: Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> "DraftConfig":
+        return cls(**json.loads(Path(path).read_text()))
+
+    @classmethod
+    def for_target(cls, hf_config, name: str, fingerprint: str, **kw) -> "DraftConfig":
+        """A draft shaped like the target's layers (EAGLE's choice)."""
+        heads = hf_config.num_attention_heads
+        rope = getattr(hf_config, "rope_parameters", None) or {"rope_theta": getattr(hf_config, "rope_theta", 1e4)}
+        return cls(hidden=hf_config.hidden_size, heads=heads, kv_heads=hf_config.num_key_value_heads,
+                   head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+                   ffn=hf_config.intermediate_size, vocab=hf_config.vocab_size, rope=dict(rope),
+                   rms_eps=float(hf_config.rms_norm_eps), target_name=name, target_fingerprint=fingerprint,
+                   **kw)
+
+
+def weight_fingerprint(named_tensors) -> str:
+    """A short hash of a model's weights: names, shapes and a strided sample of each tensor.
+
+    Samples are rounded to bf16 first, so the same target loaded in fp32 or bf16 matches.
+    """
+    h = hashlib.sha256()
+    for name, t in sorted(named_tensors, key=lambda kv: kv[0]):
+        flat = t.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 4096)].to("cpu", torch.bfloat16).view(torch.int16)
+        h.update(f"{name}:{tuple(t.shape)}".encode())
+        h.update(sample.numpy().tobytes())
+    return h.hexdigest()[:16]

