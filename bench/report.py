@@ -27,7 +27,7 @@ def load(path):
 
 
 def ms(seconds):
-    return f"{seconds * 1e3:.2f}" if seconds is not None else "–"
+    return f"{seconds * 1e3:.3g}" if seconds is not None else "–"
 
 
 def ratio(a, b):
@@ -74,23 +74,28 @@ def plot(rows, png):
     fig.savefig(png, dpi=110)
 
 
-def group_table(path):
+def group_tables(path):
+    """One markdown table per bench family (the group name's first word)."""
     with open(path) as f:
         data = json.load(f)
-    groups, impls = defaultdict(dict), []
+    families = defaultdict(lambda: defaultdict(dict))
     for bench in data["benchmarks"]:
         impl = bench["params"].get("impl", bench["name"])
-        if impl not in impls:
-            impls.append(impl)
-        groups[bench["group"]][impl] = bench["stats"]["median"]
-    primary = "poss" if "poss" in impls else impls[0]
-    others = [i for i in impls if i != primary]
-    head = ["group"] + [f"{i} (ms)" for i in impls] + [f"{o} / {primary}" for o in others]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for group, times in groups.items():
-        cells = [group] + [ms(times.get(i)) for i in impls] + [ratio(times.get(o), times.get(primary)) for o in others]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        families[bench["group"].split()[0]][bench["group"]][impl] = bench["stats"]["median"]
+    tables = []
+    for family, groups in families.items():
+        impls = list(dict.fromkeys(i for times in groups.values() for i in times))
+        primary = "poss" if "poss" in impls else impls[0]
+        others = [i for i in impls if i != primary]
+        head = [family] + [f"{i} (ms)" for i in impls] + [f"{o} / {primary}" for o in others]
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for group, times in groups.items():
+            label = group.split(" ", 1)[1] if " " in group else group
+            cells = [label] + [ms(times.get(i)) for i in impls]
+            cells += [ratio(times.get(o), times.get(primary)) for o in others]
+            lines.append("| " + " | ".join(cells) + " |")
+        tables.append("\n".join(lines))
+    return "\n\n".join(tables)
 
 
 def main():
@@ -101,7 +106,7 @@ def main():
     with open(args.json) as f:
         is_tree_verify = any(b["params"].get("impl") == "argmax_floor" for b in json.load(f)["benchmarks"])
     if not is_tree_verify:
-        print(group_table(args.json))
+        print(group_tables(args.json))
         return
     rows = load(args.json)
     print(tree_verify_table(rows))
