@@ -5,9 +5,12 @@ accepts to the full depth, so the kernels walk (and read) the most rows a real r
 
     pytest bench/bench_tree_verify.py --benchmark-only --benchmark-json=out/tree_verify.json
     python bench/report.py out/tree_verify.json
+
+POSS_BENCH_DEVICE=cuda times the CUDA kernels instead (the reference still runs on the CPU).
 """
 
 import functools
+import os
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ import poss_ext
 from poss_ext import reference
 
 N, LEVELS, WIDTH = 60, 6, 10
+DEVICE = os.environ.get("POSS_BENCH_DEVICE", "cpu")
 SAMPLING = dict(temperature=0.7, top_k=0, top_p=0.9)
 
 
@@ -62,15 +66,25 @@ def test_tree_verify(benchmark, impl, B, V, dtype):
     if impl == "reference_sampling" and (B, V, dtype) != (64, 49152, torch.float32):
         pytest.skip("the sampling reference takes minutes per call: timed at one shape only")
     parents, tokens, logits, params = case(B, V, dtype)
+    if not impl.startswith("reference"):
+        parents, tokens, logits = parents.to(DEVICE), tokens.to(DEVICE), logits.to(DEVICE)
+        params = tuple(p.to(DEVICE) for p in params)
     benchmark.group = f"tree_verify B={B} V={V} {str(dtype).split('.')[-1]}"
-    benchmark.extra_info.update(B=B, V=V, dtype=str(dtype), impl=impl)
-    fn = {
+    benchmark.extra_info.update(B=B, V=V, dtype=str(dtype), device=DEVICE, impl=impl)
+    run = {
         "argmax_floor": lambda: torch.argmax(logits, -1),
         "greedy": lambda: poss_ext.tree_verify(parents, tokens, logits),
         "sampling": lambda: poss_ext.tree_verify(parents, tokens, logits, *params),
         "reference_greedy": lambda: reference.tree_verify(parents, tokens, logits),
         "reference_sampling": lambda: reference.tree_verify(parents, tokens, logits, *params),
     }[impl]
+
+    def fn():
+        out = run()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        return out
+
     rounds = 1 if impl.startswith("reference") else 5
     result = benchmark.pedantic(fn, rounds=rounds, warmup_rounds=1 if rounds > 1 else 0)
     if impl in ("greedy", "sampling"):

@@ -1,6 +1,10 @@
-"""Turns a pytest-benchmark JSON file into the README's markdown table and a PNG plot.
+"""Turns a pytest-benchmark JSON file into the README's markdown table (and, for tree_verify, a PNG).
 
     python bench/report.py out/tree_verify.json [--png out/tree_verify.png]
+    python bench/report.py out/tree_attention.json      # any other bench: one row per group
+
+Other benches are tabulated per benchmark group: one column per `impl` parameter, and the time of
+each baseline divided by the time of `poss` (how many times faster poss is).
 
 Ratios compare timings taken in the same run (the machine is shared and noisy).
 """
@@ -23,11 +27,13 @@ def load(path):
 
 
 def ms(seconds):
-    return f"{seconds * 1e3:.2f}" if seconds is not None else "–"
+    return f"{seconds * 1e3:.3g}" if seconds is not None else "–"
 
 
 def ratio(a, b):
-    return f"{a / b:.2f}×" if a is not None and b is not None else "–"
+    if a is None or b is None:
+        return "–"
+    return "<0.01×" if a / b < 0.01 else f"{a / b:.2f}×"
 
 
 def tree_verify_table(rows):
@@ -68,11 +74,40 @@ def plot(rows, png):
     fig.savefig(png, dpi=110)
 
 
+def group_tables(path):
+    """One markdown table per bench family (the group name's first word)."""
+    with open(path) as f:
+        data = json.load(f)
+    families = defaultdict(lambda: defaultdict(dict))
+    for bench in data["benchmarks"]:
+        impl = bench["params"].get("impl", bench["name"])
+        families[bench["group"].split()[0]][bench["group"]][impl] = bench["stats"]["median"]
+    tables = []
+    for family, groups in families.items():
+        impls = list(dict.fromkeys(i for times in groups.values() for i in times))
+        primary = "poss" if "poss" in impls else impls[0]
+        others = [i for i in impls if i != primary]
+        head = [family] + [f"{i} (ms)" for i in impls] + [f"{o} / {primary}" for o in others]
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for group, times in groups.items():
+            label = group.split(" ", 1)[1] if " " in group else group
+            cells = [label] + [ms(times.get(i)) for i in impls]
+            cells += [ratio(times.get(o), times.get(primary)) for o in others]
+            lines.append("| " + " | ".join(cells) + " |")
+        tables.append("\n".join(lines))
+    return "\n\n".join(tables)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("json")
     parser.add_argument("--png")
     args = parser.parse_args()
+    with open(args.json) as f:
+        is_tree_verify = any(b["params"].get("impl") == "argmax_floor" for b in json.load(f)["benchmarks"])
+    if not is_tree_verify:
+        print(group_tables(args.json))
+        return
     rows = load(args.json)
     print(tree_verify_table(rows))
     if args.png:

@@ -9,7 +9,7 @@ from poss_ext._loader import load_library as _load_library
 _C = _load_library()
 
 from poss_ext import ops, reference  # noqa: E402
-from poss_ext.ops import build_tree, kv_compact, tree_verify  # noqa: E402
+from poss_ext.ops import build_tree, kv_compact, tree_attention, tree_verify  # noqa: E402
 
 ops._register_fallbacks(dict(_C.build_info()))
 
@@ -19,4 +19,4 @@ def build_info() -> dict:
     return dict(_C.build_info())
 
 
-__all__ = ["build_info", "build_tree", "kv_compact", "ops", "reference", "tree_verify"]
+__all__ = ["build_info", "build_tree", "kv_compact", "ops", "reference", "tree_attention", "tree_verify"]

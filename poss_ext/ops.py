@@ -220,11 +220,11 @@ def _register_fallbacks(build_info: dict) -> None:
     if build_info["cuda"]:
         return
     torch.library.register_kernel("poss::tree_verify", "CUDA", reference.tree_verify)
+    torch.library.register_kernel("poss::build_tree", "CUDA", reference.build_tree)
+    torch.library.register_kernel("poss::kv_compact", "CUDA", reference.kv_compact)
     for name in ("rms_norm", "add_rms_norm", "swiglu", "rope_qkv", "decoder_layer", "specialist_forward"):
         torch.library.register_kernel(f"poss::{name}", "CUDA", getattr(reference, name))
     torch.library.register_kernel("poss::tree_attention", "CUDA", reference.tree_attention)
-    torch.library.register_kernel("poss::build_tree", "CUDA", reference.build_tree)
-    torch.library.register_kernel("poss::kv_compact", "CUDA", reference.kv_compact)
 
 
 # ---------------------------------------------------------------------------------------------

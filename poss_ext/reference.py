@@ -119,6 +119,80 @@ def tree_verify(
     return accept_nodes.to(device), accept_len.to(device), next_token.to(device)
 
 
+# ---------------------------------------------------------------------------------------------
+# build_tree and kv_compact
+
+
+def build_tree(
+    cand_tokens: Tensor,
+    cand_scores: Tensor,
+    cand_parents: Tensor,
+    root_token: Tensor,
+    num_nodes: int,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Reference of ``torch.ops.poss.build_tree``; see ``poss_ext.ops.build_tree`` for the contract."""
+    if num_nodes < 1:
+        raise RuntimeError(f"num_nodes must be >= 1 (the root counts), got {num_nodes}")
+    B, M = cand_tokens.shape
+    device = cand_tokens.device
+    tokens = torch.zeros((B, num_nodes), dtype=torch.int64)
+    parents = torch.full((B, num_nodes), PAD, dtype=torch.int32)
+    depth = torch.zeros((B, num_nodes), dtype=torch.int32)
+    tok, sc, par = cand_tokens.tolist(), cand_scores.float().tolist(), cand_parents.tolist()
+    roots = root_token.tolist()
+    for b in range(B):
+        # Path minimum and depth of every candidate; parents come before their children.
+        path_min, cand_depth, real = {}, {}, []
+        for i in range(M):
+            p = par[b][i]
+            if p == PAD:
+                continue
+            if not -1 <= p < i:
+                raise RuntimeError(f"cand_parents[{b}, {i}] = {p} must be in [-1, {i}) or -2")
+            if p >= 0 and par[b][p] == PAD:
+                raise RuntimeError(f"cand_parents[{b}, {i}] = {p} points to an empty candidate slot")
+            if sc[b][i] != sc[b][i]:
+                raise RuntimeError(f"cand_scores[{b}, {i}] is NaN")
+            path_min[i] = sc[b][i] if p < 0 else min(sc[b][i], path_min[p])
+            cand_depth[i] = 1 if p < 0 else cand_depth[p] + 1
+            real.append(i)
+        # Highest path minimum first, lower index first among equals; keep in index order.
+        ranked = sorted(real, key=lambda i: (-path_min[i], i))
+        kept = sorted(ranked[: num_nodes - 1])
+        node_of = {c: n + 1 for n, c in enumerate(kept)}
+        tokens[b, 0], parents[b, 0] = roots[b], -1
+        for n, c in enumerate(kept, start=1):
+            tokens[b, n] = tok[b][c]
+            parents[b, n] = 0 if par[b][c] < 0 else node_of[par[b][c]]
+            depth[b, n] = cand_depth[c]
+    return tokens.to(device), parents.to(device), depth.to(device)
+
+
+def kv_compact(
+    k_cache: Tensor, v_cache: Tensor, prefix_len: Tensor, accept_nodes: Tensor, accept_len: Tensor
+) -> None:
+    """Reference of ``torch.ops.poss.kv_compact`` (in place); see ``poss_ext.ops.kv_compact``."""
+    B, N = accept_nodes.shape
+    S = k_cache.shape[3]
+    pre, nodes, lens = prefix_len.tolist(), accept_nodes.tolist(), accept_len.tolist()
+    for b in range(B):
+        if not 0 <= lens[b] < N:
+            raise RuntimeError(f"accept_len[{b}] = {lens[b]} must be in [0, {N})")
+        if pre[b] < 0:
+            raise RuntimeError(f"prefix_len[{b}] = {pre[b]} must be >= 0")
+        path = nodes[b][: lens[b] + 1]
+        for j, a in enumerate(path):
+            if a < 0 or a >= N or (j > 0 and a <= path[j - 1]):
+                raise RuntimeError(f"accept_nodes[{b}, {j}] = {a} must be in [0, {N}) and increasing")
+            if pre[b] + a >= S:
+                raise RuntimeError(f"prefix_len[{b}] + accept_nodes[{b}, {j}] must be < S = {S}")
+        # Gather from a copy, then write: no reasoning about overlapping moves needed here.
+        src = torch.tensor([pre[b] + a for a in path], dtype=torch.long, device=k_cache.device)
+        dst = slice(pre[b], pre[b] + len(path))
+        for cache in (k_cache, v_cache):
+            cache[:, b, :, dst] = cache[:, b, :, :].index_select(2, src).clone()
+
+
 # ---- Decoder-layer building blocks (issue 4) ------------------------------------------------
 
 
@@ -192,6 +266,8 @@ def specialist_forward(embeds, features, fc_w, fc_b, w_qkv, w_o, post_norm_w, w_
     u = torch.nn.functional.linear(torch.cat([embeds, features], -1), fc_w, fc_b)
     return decoder_layer(u, None, w_qkv, None, w_o, post_norm_w, w_gate_up, w_down, k_cache, v_cache,
                          prefix_len, parents, positions, inv_freq, num_heads, num_kv_heads, eps)
+
+
 def tree_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -232,76 +308,3 @@ def tree_attention(
                 p = torch.softmax((k @ q[b, hq, qi].float()) * scale, dim=0)
                 out[b, hq, qi] = (p @ v).to(q.dtype)
     return out
-
-# ---------------------------------------------------------------------------------------------
-# build_tree and kv_compact
-
-
-def build_tree(
-    cand_tokens: Tensor,
-    cand_scores: Tensor,
-    cand_parents: Tensor,
-    root_token: Tensor,
-    num_nodes: int,
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """Reference of ``torch.ops.poss.build_tree``; see ``poss_ext.ops.build_tree`` for the contract."""
-    if num_nodes < 1:
-        raise RuntimeError(f"num_nodes must be >= 1 (the root counts), got {num_nodes}")
-    B, M = cand_tokens.shape
-    device = cand_tokens.device
-    tokens = torch.zeros((B, num_nodes), dtype=torch.int64)
-    parents = torch.full((B, num_nodes), PAD, dtype=torch.int32)
-    depth = torch.zeros((B, num_nodes), dtype=torch.int32)
-    tok, sc, par = cand_tokens.tolist(), cand_scores.float().tolist(), cand_parents.tolist()
-    roots = root_token.tolist()
-    for b in range(B):
-        # Path minimum and depth of every candidate; parents come before their children.
-        path_min, cand_depth, real = {}, {}, []
-        for i in range(M):
-            p = par[b][i]
-            if p == PAD:
-                continue
-            if not -1 <= p < i:
-                raise RuntimeError(f"cand_parents[{b}, {i}] = {p} must be in [-1, {i}) or -2")
-            if p >= 0 and par[b][p] == PAD:
-                raise RuntimeError(f"cand_parents[{b}, {i}] = {p} points to an empty candidate slot")
-            if sc[b][i] != sc[b][i]:
-                raise RuntimeError(f"cand_scores[{b}, {i}] is NaN")
-            path_min[i] = sc[b][i] if p < 0 else min(sc[b][i], path_min[p])
-            cand_depth[i] = 1 if p < 0 else cand_depth[p] + 1
-            real.append(i)
-        # Highest path minimum first, lower index first among equals; keep in index order.
-        ranked = sorted(real, key=lambda i: (-path_min[i], i))
-        kept = sorted(ranked[: num_nodes - 1])
-        node_of = {c: n + 1 for n, c in enumerate(kept)}
-        tokens[b, 0], parents[b, 0] = roots[b], -1
-        for n, c in enumerate(kept, start=1):
-            tokens[b, n] = tok[b][c]
-            parents[b, n] = 0 if par[b][c] < 0 else node_of[par[b][c]]
-            depth[b, n] = cand_depth[c]
-    return tokens.to(device), parents.to(device), depth.to(device)
-
-
-def kv_compact(
-    k_cache: Tensor, v_cache: Tensor, prefix_len: Tensor, accept_nodes: Tensor, accept_len: Tensor
-) -> None:
-    """Reference of ``torch.ops.poss.kv_compact`` (in place); see ``poss_ext.ops.kv_compact``."""
-    B, N = accept_nodes.shape
-    S = k_cache.shape[3]
-    pre, nodes, lens = prefix_len.tolist(), accept_nodes.tolist(), accept_len.tolist()
-    for b in range(B):
-        if not 0 <= lens[b] < N:
-            raise RuntimeError(f"accept_len[{b}] = {lens[b]} must be in [0, {N})")
-        if pre[b] < 0:
-            raise RuntimeError(f"prefix_len[{b}] = {pre[b]} must be >= 0")
-        path = nodes[b][: lens[b] + 1]
-        for j, a in enumerate(path):
-            if a < 0 or a >= N or (j > 0 and a <= path[j - 1]):
-                raise RuntimeError(f"accept_nodes[{b}, {j}] = {a} must be in [0, {N}) and increasing")
-            if pre[b] + a >= S:
-                raise RuntimeError(f"prefix_len[{b}] + accept_nodes[{b}, {j}] must be < S = {S}")
-        # Gather from a copy, then write: no reasoning about overlapping moves needed here.
-        src = torch.tensor([pre[b] + a for a in path], dtype=torch.long, device=k_cache.device)
-        dst = slice(pre[b], pre[b] + len(path))
-        for cache in (k_cache, v_cache):
-            cache[:, b, :, dst] = cache[:, b, :, :].index_select(2, src).clone()

@@ -111,7 +111,10 @@ def corrupt(rng: np.random.Generator, args: dict) -> dict:
         bad = rng.choice([-5, 10**6, -(10**6), 2**31 - 1]) if not t.is_floating_point() else rng.choice(
             [float("nan"), float("inf"), -float("inf"), 7.0, -1.0]
         )
-        flat[i] = bad
+        try:
+            flat[i] = bad
+        except (RuntimeError, OverflowError):  # the value does not fit this dtype: keep the call as is
+            return args
         args[name] = flat.reshape(t.shape)
     else:  # missing
         if name in ("parents", "tokens", "logits"):

@@ -23,6 +23,7 @@
 
 #include "poss/tree_attention.h"
 #include "poss/tree_attention_args.h"
+#include "poss/tree_checks.h"
 
 // Fortran BLAS exported by libtorch_cpu (MKL or OpenBLAS, LP64). Weak: a torch without it makes
 // this null and the kernel falls back to at::mm on the same tiles.
@@ -39,6 +40,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kKeyTile = 128;      // keys per tile
 constexpr int64_t kMaxGroupRows = 1024;  // beyond this many rows, chains tile their queries
 constexpr int64_t kChainRowTile = 256;   // rows per query tile of a long chain
+constexpr double kSerialMacs = 4e6;      // below this (~0.1 ms on one core), stay single-threaded
 
 // Row-major C[m x n] (ldc) = A[m x k] (lda) . op(B) + beta C, where op(B) = B^T for B stored
 // [n x k] (ldb) when b_transposed, else B stored [k x n]. All fp32.
@@ -268,27 +270,15 @@ void check_values(const at::Tensor& parents, const at::Tensor& prefix_len, int64
   const int64_t B = parents.size(0), N = parents.size(1);
   const auto* par = parents.data_ptr<int32_t>();
   const auto* pl = prefix_len.data_ptr<int32_t>();
-  std::vector<AttnTreeInfo> info(B);
+  std::vector<TreeScan> info(B);
   int64_t general = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int32_t* row = par + b * N;
-    const AttnTreeInfo t = scan_attention_tree(row, static_cast<int32_t>(N));
-    const int64_t i = t.node;
-    switch (t.error) {
-      case AttnTreeError::kOk: break;
-      case AttnTreeError::kRootParent:
-        TORCH_CHECK(false, "parents[", b, ", 0] must be -1 (the root), got ", row[0]);
-      case AttnTreeError::kParentOutOfRange:
-        TORCH_CHECK(false, "parents[", b, ", ", i, "] = ", row[i], " must be in [0, ", i,
-                    ") (topological order) or -2 (padding)");
-      case AttnTreeError::kPaddingNotTrailing:
-        TORCH_CHECK(false, "parents[", b, ", ", i, "] = ", row[i],
-                    " is a real node after padding; padding nodes (-2) must come last");
-      case AttnTreeError::kTooManyNodes:
-        TORCH_CHECK(false, "parents[", b, "] is a general (non-chain) tree with ", t.n_real,
-                    " real nodes; at most ", kAttnMaxTreeNodes,
-                    " are supported (chains, parents[i] = i - 1, have no limit)");
-    }
+    const TreeScan t = scan_parents(row, static_cast<int32_t>(N));
+    check_tree_scan(t, b, row);
+    TORCH_CHECK(attention_tree_fits(t), "parents[", b, "] is a general (non-chain) tree with ",
+                t.n_real, " real nodes; at most ", kAttnMaxTreeNodes,
+                " are supported (chains, parents[i] = i - 1, have no limit)");
     TORCH_CHECK(pl[b] >= 0 && pl[b] + int64_t{t.n_real} <= S, "prefix_len[", b, "] = ", pl[b],
                 " must be >= 0 and leave room for the tree's ", t.n_real,
                 " real nodes in k_cache (S = ", S, ")");
@@ -346,7 +336,14 @@ at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
 
   // Split-K when the groups alone cannot keep every thread busy: aim at >= 4 units per thread,
   // but keep at least two key tiles per split so the merge stays cheap.
-  const int64_t threads = at::get_num_threads();
+  // Small calls (a draft level over a short prefix) run on the calling thread: waking a thread
+  // pool costs more than the work, and far more when another process holds the other cores.
+  double macs = 0.0;
+  for (const Group& grp : groups) {
+    macs += 2.0 * G * (grp.i1 - grp.i0) * (req[grp.b].prefix + grp.i1) * D;
+  }
+  const bool serial = macs < kSerialMacs;
+  const int64_t threads = serial ? 1 : at::get_num_threads();
   const int64_t ngroups = static_cast<int64_t>(groups.size());
   std::vector<Unit> units;
   int64_t parts = 0;
@@ -357,7 +354,16 @@ at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                           (grp.i1 + kKeyTile - 1) / kKeyTile;
     int64_t splits = 1;
     if (threads > 1 && ngroups < 4 * threads) {
-      splits = std::min((4 * threads + ngroups - 1) / ngroups, std::max<int64_t>(1, tiles / 2));
+      // Prefer a unit count that is a multiple of the thread count: parallel_for hands each
+      // thread one contiguous, equal-length run of units.
+      int64_t want = (4 * threads + ngroups - 1) / ngroups;
+      for (int64_t s = want; s < 2 * want; ++s) {
+        if (ngroups * s % threads == 0) {
+          want = s;
+          break;
+        }
+      }
+      splits = std::min(want, std::max<int64_t>(1, tiles / 2));
     }
     if (splits == 1) {
       units.push_back(Unit{grp.b, grp.h, grp.i0, grp.i1, 0, tiles, -1, gi});
@@ -380,17 +386,16 @@ at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                  k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
                  out.data_ptr<scalar_t>(), Hq, Hkv, G, Nq, N, D, static_cast<float>(scale), req,
                  ws_out.data(), ws_state.data(), max_rows};
-    at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+    const int64_t nunits = static_cast<int64_t>(units.size());
+    at::parallel_for(0, nunits, serial ? nunits : 1, [&](int64_t begin, int64_t end) {
       typename K::Scratch sc(max_rows, D);
       for (int64_t u = begin; u < end; ++u) kern.run(units[u], sc);
     });
-    if (parts > 0) {
-      at::parallel_for(0, ngroups, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> row;
-        for (int64_t gi = begin; gi < end; ++gi) {
-          if (groups[gi].num_parts > 1) kern.merge(groups[gi], row);
-        }
-      });
+    // The merge is O(rows * D * splits), negligible next to the attention; on the calling thread
+    // it avoids a second parallel region (each one is a barrier, costly on a contended machine).
+    std::vector<float> row;
+    for (int64_t gi = 0; parts > 0 && gi < ngroups; ++gi) {
+      if (groups[gi].num_parts > 1) kern.merge(groups[gi], row);
     }
   });
   return out;

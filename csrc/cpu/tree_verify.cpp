@@ -15,6 +15,7 @@
 #include "poss/acceptance.h"
 #include "poss/selection.h"
 #include "poss/tree.h"
+#include "poss/tree_checks.h"
 #include "poss/tree_verify_args.h"
 
 namespace poss {
@@ -178,22 +179,8 @@ void check_values(const at::Tensor& parents, const at::Tensor& tokens, int64_t V
   const auto* par = parents.data_ptr<int32_t>();
   const auto* tok = tokens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
-    const TreeCheck c = validate_tree({par + b * N, tok + b * N, static_cast<int32_t>(N)}, V);
-    const int64_t i = c.node;
-    switch (c.error) {
-      case TreeError::kOk: break;
-      case TreeError::kRootParent:
-        TORCH_CHECK(false, "parents[", b, ", 0] must be -1 (the root), got ", par[b * N]);
-      case TreeError::kParentOutOfRange:
-        TORCH_CHECK(false, "parents[", b, ", ", i, "] = ", par[b * N + i],
-                    " must be in [0, ", i, ") (topological order) or -2 (padding)");
-      case TreeError::kPaddingNotTrailing:
-        TORCH_CHECK(false, "parents[", b, ", ", i, "] = ", par[b * N + i],
-                    " is a real node after padding; padding nodes (-2) must come last");
-      case TreeError::kTokenOutOfRange:
-        TORCH_CHECK(false, "tokens[", b, ", ", i, "] = ", tok[b * N + i], " must be in [0, ", V,
-                    ") (the vocabulary of logits)");
-    }
+    const TreeView tree{par + b * N, tok + b * N, static_cast<int32_t>(N)};
+    check_tree_scan(validate_tree(tree, V), b, tree.parents, tree.tokens, V);
   }
   const auto* t = temperature.data_ptr<float>();
   const auto* k = top_k.data_ptr<int32_t>();

@@ -2,7 +2,8 @@
 // acceptance walk (csrc/include/poss/acceptance.h) with block-wide reductions over the vocabulary;
 // thread 0 alone writes the results. Only the rows on the walked path are read.
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/macros/Macros.h>
 #include <torch/library.h>
@@ -274,7 +275,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_verify_cuda(
   if (B == 0) return {accept_nodes, accept_len, next_token};
   // Greedy requests never touch the workspace; it is only needed when something may sample.
   at::Tensor workspace = uniforms ? at::empty({B, V}, opts.dtype(at::kFloat)) : at::Tensor();
-  const auto stream = at::cuda::getCurrentCUDAStream();
+  const auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "tree_verify_cuda",
                                   [&] {
     tree_verify_kernel<scalar_t><<<B, kThreads, 0, stream>>>(

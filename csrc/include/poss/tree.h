@@ -24,32 +24,46 @@ struct TreeView {
 
 enum class TreeError : int32_t {
   kOk = 0,
-  kRootParent,        // parents[0] != -1
-  kParentOutOfRange,  // a real node's parent is not in [0, i)
+  kRootParent,          // parents[0] != -1
+  kParentOutOfRange,    // a real node's parent is not in [0, i)
   kPaddingNotTrailing,  // a real node follows a padding node
-  kTokenOutOfRange,   // a real node's token is not in [0, vocab)
+  kTokenOutOfRange,     // a real node's token is not in [0, vocab)
 };
 
-struct TreeCheck {
+// What one pass over a request's parents row finds.
+struct TreeScan {
   TreeError error;
-  int32_t node;  // the first offending node
+  int32_t node;    // the first offending node (error != kOk)
+  int32_t n_real;  // real nodes; padding follows them
+  bool chain;      // parents[i] = i - 1 for every real node i >= 1
 };
 
-// Validates one request's tree against the encoding above; tokens of padding nodes are ignored.
-POSS_HD TreeCheck validate_tree(TreeView t, int64_t vocab) {
-  if (t.n < 1 || t.parents[0] != kRootParent) return {TreeError::kRootParent, 0};
-  bool padding = false;
-  for (int32_t i = 0; i < t.n; ++i) {
-    const int32_t p = t.parents[i];
-    if (i > 0 && p == kPadParent) {
+// Validates the parents encoding and classifies the tree, in one pass.
+POSS_HD TreeScan scan_parents(const int32_t* parents, int32_t n) {
+  if (n < 1 || parents[0] != kRootParent) return {TreeError::kRootParent, 0, 0, false};
+  int32_t n_real = 1;
+  bool chain = true, padding = false;
+  for (int32_t i = 1; i < n; ++i) {
+    const int32_t p = parents[i];
+    if (p == kPadParent) {
       padding = true;
       continue;
     }
-    if (padding) return {TreeError::kPaddingNotTrailing, i};
-    if (i > 0 && (p < 0 || p >= i)) return {TreeError::kParentOutOfRange, i};
-    if (t.tokens[i] < 0 || t.tokens[i] >= vocab) return {TreeError::kTokenOutOfRange, i};
+    if (padding) return {TreeError::kPaddingNotTrailing, i, 0, false};
+    if (p < 0 || p >= i) return {TreeError::kParentOutOfRange, i, 0, false};
+    chain = chain && p == i - 1;
+    n_real = i + 1;
   }
-  return {TreeError::kOk, -1};
+  return {TreeError::kOk, -1, n_real, chain};
+}
+
+// scan_parents plus the tokens of the real nodes in [0, vocab).
+POSS_HD TreeScan validate_tree(TreeView t, int64_t vocab) {
+  TreeScan scan = scan_parents(t.parents, t.n);
+  for (int32_t i = 0; scan.error == TreeError::kOk && i < scan.n_real; ++i) {
+    if (t.tokens[i] < 0 || t.tokens[i] >= vocab) scan = {TreeError::kTokenOutOfRange, i, 0, false};
+  }
+  return scan;
 }
 
 // The next child of `parent` after node `after`, in node order; -1 when there is none.

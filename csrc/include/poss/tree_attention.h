@@ -20,41 +20,9 @@ namespace poss {
 constexpr int32_t kAttnMaxTreeNodes = 256;
 constexpr int32_t kAttnMaskWords = kAttnMaxTreeNodes / 64;
 
-enum class AttnTreeError : int32_t {
-  kOk = 0,
-  kRootParent,          // parents[0] != -1
-  kParentOutOfRange,    // a real node's parent is not in [0, i)
-  kPaddingNotTrailing,  // a real node follows a padding node
-  kTooManyNodes,        // a general tree with more than kAttnMaxTreeNodes real nodes
-};
-
-struct AttnTreeInfo {
-  AttnTreeError error;
-  int32_t node;    // the first offending node (error != kOk)
-  int32_t n_real;  // real (non-padding) nodes; padding follows them
-  bool chain;      // parents[i] = i - 1 for every real node i >= 1
-};
-
-// One pass over a request's parents: validates the encoding and classifies the tree.
-POSS_HD AttnTreeInfo scan_attention_tree(const int32_t* parents, int32_t n) {
-  if (n < 1 || parents[0] != kRootParent) return {AttnTreeError::kRootParent, 0, 0, false};
-  int32_t n_real = 1;
-  bool chain = true, padding = false;
-  for (int32_t i = 1; i < n; ++i) {
-    const int32_t p = parents[i];
-    if (p == kPadParent) {
-      padding = true;
-      continue;
-    }
-    if (padding) return {AttnTreeError::kPaddingNotTrailing, i, 0, false};
-    if (p < 0 || p >= i) return {AttnTreeError::kParentOutOfRange, i, 0, false};
-    chain = chain && p == i - 1;
-    n_real = i + 1;
-  }
-  if (!chain && n_real > kAttnMaxTreeNodes) {
-    return {AttnTreeError::kTooManyNodes, kAttnMaxTreeNodes, n_real, false};
-  }
-  return {AttnTreeError::kOk, -1, n_real, chain};
+// Whether a scanned tree fits the attention kernels: chains have no size limit (no mask is stored).
+POSS_HD bool attention_tree_fits(const TreeScan& scan) {
+  return scan.chain || scan.n_real <= kAttnMaxTreeNodes;
 }
 
 // masks[i * kAttnMaskWords + w]: bit j of the row is set iff j is i or an ancestor of i.
