@@ -4,18 +4,27 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
+import pytest
 import torch
-
-# The tiny models' steps are a few microseconds of math each: extra OpenMP threads only add
-# synchronisation (and spin-waits on a busy 2-core host make them several times slower).
-torch.set_num_threads(1)
 
 from poss.generator import Generator
 from poss.models.draft import PosSDraft
 from poss.models.draft_config import DraftConfig
 from poss.models.target import TargetRunner
 
-EVAL = Path("/work/shared/data/eval")
+EVAL = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "eval"
+if not EVAL.exists():
+    EVAL = Path("/work/shared/data/eval")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """Loop tests run on one CPU thread: the tiny models' steps are microseconds of math, so more
+    OpenMP threads only add synchronisation (and spin-waits on a busy 2-core host cost several x)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
 SETS = ("alpaca", "gsm8k", "humaneval", "mt_bench", "qa", "sum")
 
 

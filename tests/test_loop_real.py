@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from loop_helpers import EVAL
+from loop_helpers import single_thread  # noqa: F401  (autouse: one CPU thread)
 
 pytestmark = pytest.mark.slow
 

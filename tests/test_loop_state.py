@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from loop_helpers import eval_prompts, make_generator, tiny_target
+from loop_helpers import single_thread  # noqa: F401  (autouse: one CPU thread)
 from poss.forward import specialist_step
 from poss.models.kv_cache import StaticKVCache
 from poss.models.target import chain_parents
