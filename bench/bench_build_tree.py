@@ -11,7 +11,6 @@ loaded, so a multi-threaded run there mostly measures how long the OS takes to s
 OpenMP thread; single-threaded numbers are the stable ones.
 """
 
-import os
 
 import math
 
@@ -68,12 +67,7 @@ def torch_ops_build_tree(cand_tokens, cand_scores, cand_parents, root_token, num
     return tokens, parents.int(), dist.int()
 
 
-@pytest.fixture(autouse=True)
-def _bench_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("POSS_BENCH_THREADS", "1")))
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("bench_threads")
 
 
 IMPLS = {

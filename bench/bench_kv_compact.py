@@ -10,7 +10,6 @@ loaded, so a multi-threaded run there mostly measures how long the OS takes to s
 OpenMP thread; single-threaded numbers are the stable ones.
 """
 
-import os
 
 import pytest
 import torch
@@ -44,12 +43,7 @@ def torch_index_compact(k, v, prefix_len, accept_nodes, accept_len):
             view.index_copy_(2, dst, view.index_select(2, src))
 
 
-@pytest.fixture(autouse=True)
-def _bench_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("POSS_BENCH_THREADS", "1")))
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("bench_threads")
 
 
 IMPLS = {
