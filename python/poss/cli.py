@@ -11,7 +11,10 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="show how the poss_ext kernels were built")
     sub.add_parser("demo", help="verify a small draft tree with torch.ops.poss.tree_verify")
-    for name in ("generate", "chat", "train", "eval"):
+    from poss.train.cli import add_train_parser
+
+    add_train_parser(sub)
+    for name in ("generate", "chat", "eval"):
         sub.add_parser(name, help=f"{name} (not available yet in this version)")
     args = parser.parse_args(argv)
     if args.command == "info":
@@ -19,6 +22,10 @@ def main(argv=None) -> int:
 
         print(json.dumps(poss_ext.build_info(), indent=2))
         return 0
+    if args.command == "train":
+        from poss.train.cli import run_train
+
+        return run_train(args)
     if args.command == "demo":
         from poss.demo import main as demo
 
