@@ -54,6 +54,9 @@ def aligned_attention(q: Tensor, keys: List[Tensor], values: List[Tensor], scale
     B, H, L, D = q.shape
     k_steps = len(keys) - 1
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    if k_steps == 0:  # EAGLE-2 / step 0: plain causal attention, no merge needed; use the fused kernel
+        return F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True, scale=scale,
+                                              enable_gqa=keys[0].shape[1] != H)
     neg_inf = torch.tensor(float("-inf"), device=q.device)
     # Level 0: rows k.. attend causally to columns ..L-1-k (the same square causal pattern, shifted).
     lse0 = torch.full((B, H, L), float("-inf"), device=q.device, dtype=_acc(q))

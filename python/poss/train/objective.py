@@ -26,6 +26,7 @@ class Objective:
     p_weight: float = 0.1
     topk_weight: float = 0.0
     topk: int = 10
+    chunk: int = 128  # rows per lm_head chunk in the distillation loss
 
 
 def rope_tables(inv_freq: Tensor, L: int, dtype) -> tuple:
@@ -73,7 +74,8 @@ class Batch:
     features: Tensor  # f_t (noise added on the train split)
     target: Tensor  # f_{t+1}
     row_mask: Tensor  # bool: row t is trained (x_{t+1} is an assistant token and f_{t+1} exists)
-    target_logp: Tensor  # [M, V] float32 log-softmax of lm_head(f_{t+1}) at the M masked rows
+    target_p: Tensor  # [M, V] float32 softmax of lm_head(f_{t+1}) at the M masked rows
+    target_top1: Tensor  # [M] int64 argmax of the same logits
 
 
 def make_batch(input_ids: Tensor, loss_mask: Tensor, lengths: Tensor, features: Tensor, lm_head: Tensor,
@@ -93,8 +95,61 @@ def make_batch(input_ids: Tensor, loss_mask: Tensor, lengths: Tensor, features: 
         feats = (features.float() + (u - 0.5) * scale).to(features.dtype)
     with torch.no_grad():
         t = target[row_mask]
-        target_logp = torch.log_softmax((t @ lm_head.t().to(t.dtype)).float(), -1)
-    return Batch(tokens, feats, target, row_mask, target_logp)
+        z = t @ lm_head.t().to(t.dtype)
+        target_p = torch.softmax(z.float(), -1)
+    return Batch(tokens, feats, target, row_mask, target_p, z.argmax(-1))
+
+
+class HeadDistillation(torch.autograd.Function):
+    """Soft cross-entropy (and optional top-K loss) of ``lm_head(g)`` against the target's distribution, in row chunks.
+
+    The ``[M, V]`` logits dominate the draft's training cost on CPU. This never keeps them: each chunk
+    of rows computes its logits, loss terms and top-1 agreement, and (when g needs a gradient) the
+    logit gradient ``p_w (softmax(z) - p) + topk_w (sum(p_K) softmax(z) - p_K)`` is folded straight
+    back through the frozen head into ``grad_g [M, H]``. Temporaries are chunk-sized, so they stay in
+    cache, and backward is a single scale of the stored ``grad_g``.
+
+    Returns ``(weighted loss sum, ce sum, topk sum, correct count)``; only the first is differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx, g: Tensor, head: Tensor, p: Tensor, top1: Tensor, p_weight: float, topk_weight: float,
+                topk: int, chunk: int):
+        need = ctx.needs_input_grad[0]
+        w = head.to(g.dtype)
+        grad_g = torch.empty(g.shape, dtype=torch.float32, device=g.device) if need else None
+        ce = torch.zeros((), dtype=torch.float64, device=g.device)
+        tk = torch.zeros((), dtype=torch.float64, device=g.device)
+        correct = torch.zeros((), dtype=torch.int64, device=g.device)
+        for s in range(0, g.shape[0], chunk):
+            e = min(s + chunk, g.shape[0])
+            z = (g[s:e] @ w.t()).float()
+            pc = p[s:e]
+            lse = torch.logsumexp(z, -1, keepdim=True)
+            ce += (lse.squeeze(-1) - torch.linalg.vecdot(pc, z)).sum().double()
+            correct += (z.argmax(-1) == top1[s:e]).sum()
+            if topk_weight > 0:
+                tp, ti = pc.topk(topk, -1)
+                tk += -(tp * (z.gather(-1, ti) - lse)).sum().double()
+            if need:
+                dz = z.sub_(lse).exp_()  # softmax(z), in place of z
+                if topk_weight > 0:
+                    dz.mul_(p_weight + topk_weight * tp.sum(-1, keepdim=True))
+                    dz.scatter_add_(-1, ti, -topk_weight * tp)
+                    dz.sub_(pc, alpha=p_weight)
+                else:
+                    dz.sub_(pc).mul_(p_weight)
+                grad_g[s:e] = (dz.to(w.dtype) @ w).float()
+        ctx.save_for_backward(grad_g)
+        ctx.g_dtype = g.dtype
+        ctx.mark_non_differentiable(ce, tk, correct)
+        loss = (p_weight * ce + topk_weight * tk).float()
+        return loss, ce.float(), tk.float(), correct
+
+    @staticmethod
+    def backward(ctx, grad_loss, *unused):
+        (grad_g,) = ctx.saved_tensors
+        return (grad_g * grad_loss).to(ctx.g_dtype), None, None, None, None, None, None, None
 
 
 def step_losses(g: Tensor, batch: Batch, lm_head: Tensor, obj: Objective) -> Dict[str, Tensor]:
@@ -105,19 +160,12 @@ def step_losses(g: Tensor, batch: Batch, lm_head: Tensor, obj: Objective) -> Dic
     tm = batch.target[m].to(gm.dtype)
     denom = M.float() + 1e-5
     vloss = F.smooth_l1_loss(gm.float(), tm.float(), reduction="none").mean(-1).sum() / denom
-    logq = torch.log_softmax((gm @ lm_head.t().to(gm.dtype)).float(), -1)
-    p = batch.target_logp.exp()
-    ploss = -(p * logq).sum() / denom
-    loss = obj.v_weight * vloss + obj.p_weight * ploss
-    out = {"vloss": vloss.detach(), "ploss": ploss.detach()}
+    head_loss, ce, tk, correct = HeadDistillation.apply(gm, lm_head, batch.target_p, batch.target_top1, obj.p_weight,
+                                                        obj.topk_weight, obj.topk, obj.chunk)
+    loss = obj.v_weight * vloss + head_loss / denom
+    out = {"vloss": vloss.detach(), "ploss": ce / denom, "correct": correct, "count": M}
     if obj.topk_weight > 0:
-        top_p, top_i = p.topk(obj.topk, -1)
-        tloss = -(top_p * logq.gather(-1, top_i)).sum() / denom
-        loss = loss + obj.topk_weight * tloss
-        out["topkloss"] = tloss.detach()
-    with torch.no_grad():
-        out["correct"] = (logq.argmax(-1) == batch.target_logp.argmax(-1)).sum()
-        out["count"] = M
+        out["topkloss"] = tk / denom
     out["loss"] = loss
     return out
 
