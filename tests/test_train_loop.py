@@ -125,3 +125,20 @@ def test_kill_and_resume_loses_at_most_one_interval_and_matches_an_uninterrupted
     assert result["finished"] and result["progress"]["step"] == 8
     for (n, a), (_, b) in zip(sorted(tr.draft.state_dict().items()), sorted(ref.draft.state_dict().items())):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_cli_has_the_train_subcommand():
+    import argparse
+
+    from poss.train.cli import add_train_parser
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    add_train_parser(sub)
+    a = parser.parse_args(["train", "--target", "smollm2-135m", "--method", "poss", "--positions-per-specialist", "2",
+                           "--steps", "6", "--out", "x", "--resume"])
+    assert (a.method, a.steps, a.positions_per_specialist, a.resume, a.features) == ("poss", 6, 2, True, "cache")
+    with pytest.raises(ValueError):
+        from poss.train.loop import TrainConfig
+
+        TrainConfig(method="eagle2", steps=3)

@@ -31,7 +31,7 @@ def randomize(draft, seed=0):
     return draft
 
 
-@pytest.mark.parametrize("method,steps,ppl", [("eagle2", 1, 1), ("hass", 3, 1), ("poss", 4, 2), ("poss", 3, 1)])
+@pytest.mark.parametrize("method,steps,ppl", [("eagle2", 1, 1), ("hass", 3, 1), ("poss", 4, 2)])
 def test_rows_equal_the_inference_context(runner, method, steps, ppl):
     """Row r of step k == the eager specialist run causally over [f_0..f_{r-k}, own k predictions]."""
     cfg = TrainConfig(method=method, steps=steps, positions_per_specialist=ppl)
@@ -45,8 +45,10 @@ def test_rows_equal_the_inference_context(runner, method, steps, ppl):
         for k, m in enumerate(outs):
             j = min(k // c.positions_per_specialist, c.n_specialists - 1)
             levels = m["levels"]
+            # rows around the step's boundary (r < k has no true-feature column), the middle and the end
+            rows = sorted({r for r in (0, 1, k - 1, k, k + 1, L // 2, L - 2, L - 1) if 0 <= r < L})
             for b in range(B):
-                for r in range(L):
+                for r in rows:
                     feats = torch.stack([levels[0][b, t] if t <= r - k else levels[k - (r - t)][b, t] for t in range(r + 1)])
                     e = F.embedding(batch.tokens[b, : r + 1], runner.embed)
                     u = draft.fc(torch.cat([e, feats], -1)).unsqueeze(0)
