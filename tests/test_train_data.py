@@ -5,28 +5,13 @@ import json
 import pytest
 import torch
 
+from train_tiny import byte_tokenizer
 from poss.train.data import (Example, build_split, collate, data_fingerprint, parse_truncated_array, split_indices,
                              to_messages, tokenize_conversation)
 
-CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-          "{{ '<|im_start|>system\nYou are helpful<|im_end|>\n' }}{% endif %}"
-          "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
-    """A byte-level BPE tokenizer without merges (one token per byte) plus ChatML special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, additional_special_tokens=["<|im_start|>", "<|im_end|>"])
-    fast.chat_template = CHATML
-    return fast
+    return byte_tokenizer()
 
 
 def records(n):
@@ -98,3 +83,36 @@ def test_real_sharegpt_file_if_cached():
     c = load_sharegpt(path)
     assert c.n_records == 17671 and c.skipped_truncated == 1
     assert len(c.messages) + c.skipped_unusable == c.n_records
+
+
+def test_regenerate_replaces_assistant_turns_and_caches(tokenizer, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from poss.train.regenerate import regenerate
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)).eval()
+    convs = [[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "ORIGINAL"},
+              {"role": "user", "content": "More"}, {"role": "assistant", "content": "ORIGINAL2"}]]
+    calls = []
+    gen = model.generate
+
+    def counting(ids, **kw):
+        calls.append(ids.shape[1])
+        return gen(ids, **kw)
+
+    model.generate = counting
+    out = regenerate(tokenizer, model, convs, [0], tmp_path / "regen.jsonl", max_new_tokens=5, progress=False)[0]
+    assert [m["role"] for m in out] == ["user", "assistant", "user", "assistant"]
+    assert out[0]["content"] == "Hi" and out[2]["content"] == "More"
+    assert "ORIGINAL" not in out[1]["content"] + out[3]["content"]
+    assert len(calls) == 2 and calls[1] > calls[0]  # the second answer is conditioned on the first (regenerated) one
+    # greedy: the regenerated first answer equals a direct greedy continuation of the prompt
+    prompt = tokenizer.apply_chat_template(convs[0][:1], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    # (an explicit attention mask: pad == eos == <|im_end|> also occurs inside the prompt)
+    ref = gen(prompt["input_ids"], attention_mask=prompt["attention_mask"], max_new_tokens=5, do_sample=False,
+              pad_token_id=tokenizer.eos_token_id)
+    assert out[1]["content"] == tokenizer.decode(ref[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+    again = regenerate(tokenizer, model, convs, [0], tmp_path / "regen.jsonl", max_new_tokens=5, progress=False)[0]
+    assert again == out and len(calls) == 2  # served from the cache

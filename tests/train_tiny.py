@@ -33,6 +33,27 @@ def tiny_target(seed=0, dtype=torch.float32, max_batch=2, max_seq=48):
     return TargetRunner(model, max_batch=max_batch, max_seq=max_seq, dtype=dtype)
 
 
+CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+          "{{ '<|im_start|>system\nYou are helpful<|im_end|>\n' }}{% endif %}"
+          "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def byte_tokenizer():
+    """A byte-level BPE tokenizer without merges (one token per byte, ids < 256) plus ChatML special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+                                   eos_token="<|im_end|>")
+    fast.chat_template = CHATML
+    return fast
+
+
 def tiny_examples(n, seed=0, min_len=12, max_len=40, vocab=128):
     """Token streams with a learnable pattern (each token mostly follows from the previous one)."""
     g = torch.Generator().manual_seed(seed)
