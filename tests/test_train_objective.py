@@ -130,3 +130,27 @@ def test_bf16_autocast_runs_and_is_close(runner):
     b = run_steps(draft, batch, runner.embed, runner.lm_head, runner.inv_freq, cfg.objective(), backward=False)
     for x, y in zip(a, b):
         torch.testing.assert_close(x["loss"], y["loss"], rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("topk_weight,chunk", [(0.0, 5), (0.5, 7), (1.0, 1000)])
+def test_head_distillation_gradient_matches_autograd(topk_weight, chunk):
+    from poss.train.objective import HeadDistillation
+
+    g0 = torch.Generator().manual_seed(1)
+    M, H, V = 13, 16, 50
+    gm = torch.randn(M, H, generator=g0, dtype=torch.float64, requires_grad=True)
+    head = torch.randn(V, H, generator=g0, dtype=torch.float64)
+    p = torch.softmax(torch.randn(M, V, generator=g0, dtype=torch.float64) * 2, -1)
+    top1 = p.argmax(-1)
+    loss, ce, tk, correct = HeadDistillation.apply(gm, head, p, top1, 0.1, topk_weight, 4, chunk)
+    (loss * 3.0).backward()
+    got = gm.grad.clone()
+    x = gm.detach().clone().requires_grad_()
+    logq = torch.log_softmax(x @ head.t(), -1)
+    top_p, top_i = p.topk(4, -1)
+    ref_ce = -(p * logq).sum()
+    ref_tk = -(top_p * logq.gather(-1, top_i)).sum()
+    ((0.1 * ref_ce + topk_weight * ref_tk) * 3.0).backward()
+    torch.testing.assert_close(got, x.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ce.double(), ref_ce.detach(), rtol=1e-5, atol=1e-5)
+    assert int(correct) == int(((x @ head.t()).argmax(-1) == top1).sum())

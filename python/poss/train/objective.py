@@ -116,30 +116,38 @@ class HeadDistillation(torch.autograd.Function):
     def forward(ctx, g: Tensor, head: Tensor, p: Tensor, top1: Tensor, p_weight: float, topk_weight: float,
                 topk: int, chunk: int):
         need = ctx.needs_input_grad[0]
+        acc = torch.promote_types(g.dtype, torch.float32)  # fp32 logits for bf16 inputs
         w = head.to(g.dtype)
-        grad_g = torch.empty(g.shape, dtype=torch.float32, device=g.device) if need else None
+        grad_g = torch.empty(g.shape, dtype=acc, device=g.device) if need else None
         ce = torch.zeros((), dtype=torch.float64, device=g.device)
         tk = torch.zeros((), dtype=torch.float64, device=g.device)
         correct = torch.zeros((), dtype=torch.int64, device=g.device)
         for s in range(0, g.shape[0], chunk):
             e = min(s + chunk, g.shape[0])
-            z = (g[s:e] @ w.t()).float()
-            pc = p[s:e]
-            lse = torch.logsumexp(z, -1, keepdim=True)
-            ce += (lse.squeeze(-1) - torch.linalg.vecdot(pc, z)).sum().double()
-            correct += (z.argmax(-1) == top1[s:e]).sum()
+            z = (g[s:e] @ w.t()).to(acc)
+            pc = p[s:e].to(acc)
+            # Few passes over the [chunk, V] block: max, <p, z>, exp in place, sum.
+            zmax, arg = z.max(-1, keepdim=True)
+            correct += (arg.squeeze(-1) == top1[s:e]).sum()
+            pz = torch.linalg.vecdot(pc, z)
             if topk_weight > 0:
                 tp, ti = pc.topk(topk, -1)
-                tk += -(tp * (z.gather(-1, ti) - lse)).sum().double()
+                tz = z.gather(-1, ti)
+            ez = z.sub_(zmax).exp_()  # z is consumed: exp(z - max)
+            sumexp = ez.sum(-1, keepdim=True)
+            lse = zmax + sumexp.log()
+            ce += (lse.squeeze(-1) - pz).sum().double()
+            if topk_weight > 0:
+                tk += -(tp * (tz - lse)).sum().double()
             if need:
-                dz = z.sub_(lse).exp_()  # softmax(z), in place of z
+                # softmax = ez / sumexp; d/dz = p_w (softmax - p) + topk_w (sum(p_K) softmax - p_K)
                 if topk_weight > 0:
-                    dz.mul_(p_weight + topk_weight * tp.sum(-1, keepdim=True))
+                    dz = ez.mul_((p_weight + topk_weight * tp.sum(-1, keepdim=True)) / sumexp)
                     dz.scatter_add_(-1, ti, -topk_weight * tp)
                     dz.sub_(pc, alpha=p_weight)
                 else:
-                    dz.sub_(pc).mul_(p_weight)
-                grad_g[s:e] = (dz.to(w.dtype) @ w).float()
+                    dz = ez.div_(sumexp).sub_(pc).mul_(p_weight)
+                grad_g[s:e] = (dz.to(w.dtype) @ w).to(acc)
         ctx.save_for_backward(grad_g)
         ctx.g_dtype = g.dtype
         ctx.mark_non_differentiable(ce, tk, correct)
