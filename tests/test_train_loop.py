@@ -47,6 +47,8 @@ def test_saved_draft_has_only_trainable_weights_and_the_recipe(tmp_path):
     assert keys and all(k.startswith(("fc.", "layers.")) for k in keys)
     n_params = sum(v.numel() for v in load_file(str(d / "model.safetensors")).values())
     assert n_params == sum(p.numel() for p in tr.draft.parameters())
+    half = load_file(str(tmp_path / "draft-fp16" / "model.safetensors"))
+    assert set(half) == set(keys) and all(v.dtype == torch.float16 for v in half.values())
     loaded = PosSDraft.load(d)
     for (n, a), (_, b) in zip(sorted(loaded.state_dict().items()), sorted(tr.draft.state_dict().items())):
         assert torch.equal(a, b), n

@@ -271,4 +271,8 @@ class Trainer:
                                       "val": result.get("val")}
         d = self.out / "draft"
         self.draft.save(d)
+        # The shippable copy: fp16 weights (half the size; drafts run in the target's half dtype anyway).
+        half = PosSDraft(self.draft.config)
+        half.load_state_dict(self.draft.state_dict())
+        half.half().save(self.out / "draft-fp16")
         return d
