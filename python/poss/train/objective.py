@@ -42,28 +42,38 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def specialist_levels(draft: PosSDraft, j: int, embeds: Tensor, levels: List[Tensor], cos: Tensor,
                       sin: Tensor) -> Tensor:
-    """Differentiable step of specialist j over feature levels: returns g ``[B, L, H]``.
+    """Differentiable step of specialist j over feature levels: returns g ``[B, L, H]`` in ``embeds.dtype``.
 
-    embeds ``[B, L, H]`` = Embed(x_{t+1}); levels: ``k + 1`` tensors ``[B, L, H]``. Query and residual
-    come from the newest level; keys/values of every level from specialist j's projections.
+    embeds ``[B, L, H]`` = Embed(x_{t+1}) in the compute dtype (bf16 for mixed precision, else fp32);
+    levels: ``k + 1`` tensors ``[B, L, H]``. Query and residual come from the newest level; keys/values
+    of every level from specialist j's projections. The fp32 master weights are cast to the compute
+    dtype once per call (not once per level), the RMSNorm runs in fp32.
     """
     c, sp = draft.config, draft.layers[j]
     B, L, _ = embeds.shape
+    cd = embeds.dtype
     nq, nkv = c.heads * c.head_dim, c.kv_heads * c.head_dim
-    us = [draft.fc(torch.cat([embeds, lv.to(embeds.dtype)], -1)) for lv in levels]
+    w_fc = draft.fc.weight.to(cd)
+    w_qkv = sp.qkv_proj.weight.to(cd)
+    cos, sin = cos.to(cd), sin.to(cd)
+    # fc([e; f]) = W_e e + W_f f + b: the token half is the same for every level, so compute it once.
+    e_part = F.linear(embeds, w_fc[:, : c.hidden], None if draft.fc.bias is None else draft.fc.bias.to(cd))
+    w_f = w_fc[:, c.hidden:]
+    us = [e_part + F.linear(lv.to(cd), w_f) for lv in levels]
+    # Queries only for the newest level; keys/values (the weight's k|v rows) for every level.
+    q = _rope(F.linear(us[-1], w_qkv[:nq]).view(B, L, c.heads, c.head_dim).transpose(1, 2), cos, sin)
+    w_kv = w_qkv[nq:]
     keys, values = [], []
-    for i, u in enumerate(us):
-        qkv = sp.qkv_proj(u)
-        if i == len(us) - 1:
-            q = _rope(qkv[..., :nq].view(B, L, c.heads, c.head_dim).transpose(1, 2), cos, sin)
-        keys.append(_rope(qkv[..., nq:nq + nkv].view(B, L, c.kv_heads, c.head_dim).transpose(1, 2), cos, sin))
-        values.append(qkv[..., nq + nkv:].view(B, L, c.kv_heads, c.head_dim).transpose(1, 2))
+    for u in us:
+        k, v = F.linear(u, w_kv).split([nkv, nkv], -1)
+        keys.append(_rope(k.view(B, L, c.kv_heads, c.head_dim).transpose(1, 2), cos, sin))
+        values.append(v.view(B, L, c.kv_heads, c.head_dim).transpose(1, 2))
     attn = aligned_attention(q, keys, values, c.head_dim ** -0.5)
-    h = us[-1] + sp.o_proj(attn.transpose(1, 2).reshape(B, L, nq))
+    h = us[-1] + F.linear(attn.transpose(1, 2).reshape(B, L, nq), sp.o_proj.weight.to(cd))
     hf = h.float()
-    normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + c.rms_eps) * sp.post_norm.float()
-    gate, up = sp.gate_up_proj(normed.to(h.dtype)).chunk(2, -1)
-    return h + sp.down_proj(F.silu(gate) * up)
+    normed = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + c.rms_eps) * sp.post_norm.float()).to(cd)
+    gate, up = F.linear(normed, sp.gate_up_proj.weight.to(cd)).chunk(2, -1)
+    return h + F.linear(F.silu(gate) * up, sp.down_proj.weight.to(cd))
 
 
 @dataclass
@@ -195,11 +205,11 @@ def run_steps(draft: PosSDraft, batch: Batch, embed: Tensor, lm_head: Tensor, in
     ppl, n = c.positions_per_specialist, c.n_specialists
     for k in range(obj.steps):
         j = min(k // ppl, n - 1)
-        ctx = torch.autocast(dev.type, dtype=autocast_dtype) if autocast_dtype else torch.autocast(dev.type, enabled=False)
-        with ctx:
-            embeds = F.embedding(batch.tokens, embed).to(torch.float32)
-            g = specialist_levels(draft, j, embeds, levels, cos, sin)
-            m = step_losses(g, batch, lm_head, obj)
+        # Mixed precision by hand: weights are cast once per step inside specialist_levels, which
+        # autocast would redo for every level; the loss head takes its dtype from g.
+        embeds = F.embedding(batch.tokens, embed).to(autocast_dtype or torch.float32)
+        g = specialist_levels(draft, j, embeds, levels, cos, sin)
+        m = step_losses(g, batch, lm_head, obj)
         if backward:
             m["loss"].backward()
         m["loss"] = m["loss"].detach()
