@@ -7,17 +7,17 @@
 #   scripts/train_smollm2_drafts.sh eagle2                                    # only some
 #
 # Budget (measured on the shared, busy 2-core dev machine, bs 1, max_len 1024):
-# EAGLE-2 ~190 tok/s with cached features (~100 on the first pass, which also fills the feature
-# cache), HASS ~67 tok/s, PosS (6 steps) ~43 tok/s. TRAIN_SIZE=320 conversations (~290 kept,
-# ~245k tokens) x 1 epoch keeps each PosS run under ~2 h there; every method gets the same data
-# and epochs. LR 3e-4 (not the paper's 3e-5): with only ~290 optimizer steps a 3e-5 run barely
+# EAGLE-2 ~450-900 tok/s with cached features (~100 on the first pass, which also fills the feature
+# cache), PosS (6 steps) ~58 tok/s, both while another run shared the CPU. TRAIN_SIZE=440 (~405 kept,
+# ~340k tokens) x 1 epoch keeps each PosS run under ~2 h there; every method gets the same data
+# and epochs. LR 3e-4 (not the paper's 3e-5): with only ~400 optimizer steps a 3e-5 run barely
 # moves a fresh draft (probe: 40 steps at 1e-3 / 3e-4 both reach ~12% top-1 agreement).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 RUNS=${RUNS:-/work/runs}
 PY=${PY:-/work/venv/bin/python}
-TRAIN_SIZE=${TRAIN_SIZE:-320}
+TRAIN_SIZE=${TRAIN_SIZE:-440}
 VAL_SIZE=${VAL_SIZE:-50}
 MAX_LEN=${MAX_LEN:-1024}
 EPOCHS=${EPOCHS:-1}
