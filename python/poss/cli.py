@@ -1,5 +1,4 @@
-"""The ``poss`` command line. Generation, chat, training and evaluation arrive with the orchestrator;
-today ``info`` and ``demo`` run."""
+"""The ``poss`` command line: generate, chat, train, plus info and demo (eval is not there yet)."""
 
 import argparse
 import json
@@ -12,10 +11,12 @@ def main(argv=None) -> int:
     sub.add_parser("info", help="show how the poss_ext kernels were built")
     sub.add_parser("demo", help="verify a small draft tree with torch.ops.poss.tree_verify")
     from poss import cli_generate
+    from poss.train.cli import add_train_parser
 
     cli_generate.add_arguments(sub.add_parser("generate", help="generate text for one or more prompts"), chat=False)
     cli_generate.add_arguments(sub.add_parser("chat", help="interactive multi-turn chat"), chat=True)
-    for name in ("train", "eval"):
+    add_train_parser(sub)
+    for name in ("eval",):
         sub.add_parser(name, help=f"{name} (not available yet in this version)")
     args = parser.parse_args(argv)
     if args.command == "generate":
@@ -27,6 +28,10 @@ def main(argv=None) -> int:
 
         print(json.dumps(poss_ext.build_info(), indent=2))
         return 0
+    if args.command == "train":
+        from poss.train.cli import run_train
+
+        return run_train(args)
     if args.command == "demo":
         from poss.demo import main as demo
 

@@ -30,6 +30,7 @@ class DraftConfig:
     fc_bias: bool = True
     target_name: str = ""
     target_fingerprint: str = ""
+    training: Dict = field(default_factory=dict)  # recipe + data fingerprint, written by poss.train
 
     def __post_init__(self):
         if self.n_specialists < 1 or self.positions_per_specialist < 1:

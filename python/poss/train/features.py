@@ -1,0 +1,132 @@
+"""Target features for draft training: computed on the fly, or read back from an fp16 shard cache.
+
+:class:`OnlineFeatures` runs the target inside the training loop (no grad) through our fused target
+runner and returns the final-norm hidden states f_0..f_{L-1}. Nothing is written to disk. For small
+targets, where re-running the target every epoch (and for every method trained on the same data)
+costs more than reading 2 bytes per feature, :class:`CachedFeatures` keeps each example's features
+in sharded fp16 safetensors files and computes only the misses.
+"""
+
+import json
+import os
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from poss.models.target import TargetRunner, chain_parents
+
+
+class OnlineFeatures:
+    """Features ``[B, L, H]`` of right-padded token batches from the target runner (no autograd).
+
+    Args:
+        runner: a :class:`TargetRunner` with ``max_batch >= B`` and ``max_seq >= L``.
+    """
+
+    def __init__(self, runner: TargetRunner):
+        self.runner = runner
+
+    @property
+    def lm_head(self) -> Tensor:
+        return self.runner.lm_head
+
+    @property
+    def embed(self) -> Tensor:
+        return self.runner.embed
+
+    @torch.no_grad()
+    def __call__(self, input_ids: Tensor, lengths: Tensor, indices: Optional[Sequence[int]] = None) -> Tensor:
+        r = self.runner
+        B, L = input_ids.shape
+        dev = r.device
+        parents = chain_parents(lengths.tolist(), L, dev)
+        positions = torch.arange(L, device=dev).expand(B, L).contiguous()
+        prefix = torch.zeros(B, dtype=torch.int32, device=dev)
+        f = r.hidden(input_ids.to(dev), positions, parents, prefix)
+        # Rows past a sequence's length are padding; zero them so they are inert everywhere.
+        valid = torch.arange(L, device=dev).view(1, L) < lengths.to(dev).view(B, 1)
+        return f * valid.unsqueeze(-1).to(f.dtype)
+
+
+class FeatureCache:
+    """Per-example fp16 features in sharded safetensors files under ``directory``.
+
+    Writes are buffered and flushed as one shard of about ``shard_mb`` MB; ``index.json`` maps example
+    index -> shard and is rewritten after each flush, so a killed run keeps every flushed shard.
+    """
+
+    def __init__(self, directory, shard_mb: int = 64):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.shard_bytes = shard_mb << 20
+        idx = self.dir / "index.json"
+        self.index: Dict[str, str] = json.loads(idx.read_text()) if idx.exists() else {}
+        self.pending: Dict[str, Tensor] = {}
+        self.pending_bytes = 0
+        self._handles = {}
+
+    def __contains__(self, i: int) -> bool:
+        return str(i) in self.index or str(i) in self.pending
+
+    def get(self, i: int) -> Tensor:
+        key = str(i)
+        if key in self.pending:
+            return self.pending[key]
+        shard = self.index[key]
+        if shard not in self._handles:
+            self._handles[shard] = safe_open(str(self.dir / shard), framework="pt")
+        return self._handles[shard].get_tensor(key)
+
+    def put(self, i: int, features: Tensor) -> None:
+        t = features.detach().to("cpu", torch.float16).contiguous()
+        self.pending[str(i)] = t
+        self.pending_bytes += t.numel() * 2
+        if self.pending_bytes >= self.shard_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        name = f"shard-{len(set(self.index.values())):05d}.safetensors"
+        tmp = self.dir / (name + ".tmp")
+        save_file(self.pending, str(tmp))
+        os.replace(tmp, self.dir / name)
+        self.index.update({k: name for k in self.pending})
+        tmp_idx = self.dir / "index.json.tmp"
+        tmp_idx.write_text(json.dumps(self.index))
+        os.replace(tmp_idx, self.dir / "index.json")
+        self.pending, self.pending_bytes = {}, 0
+
+
+class CachedFeatures:
+    """:class:`OnlineFeatures` behind a :class:`FeatureCache` keyed by example index."""
+
+    def __init__(self, online: OnlineFeatures, cache: FeatureCache):
+        self.online, self.cache = online, cache
+
+    @property
+    def lm_head(self) -> Tensor:
+        return self.online.lm_head
+
+    @property
+    def embed(self) -> Tensor:
+        return self.online.embed
+
+    def __call__(self, input_ids: Tensor, lengths: Tensor, indices: Sequence[int]) -> Tensor:
+        B, L = input_ids.shape
+        miss = [b for b, i in enumerate(indices) if i not in self.cache]
+        if miss:
+            sub = input_ids[miss, : int(lengths[miss].max())]
+            f = self.online(sub, lengths[miss])
+            for row, b in enumerate(miss):
+                self.cache.put(indices[b], f[row, : int(lengths[b])])
+        dtype = self.online.runner.dtype
+        out = torch.zeros(B, L, self.lm_head.shape[1], dtype=dtype, device=self.online.runner.device)
+        for b, i in enumerate(indices):
+            f = self.cache.get(i)
+            out[b, : f.shape[0]] = f.to(out.device, dtype)
+        return out

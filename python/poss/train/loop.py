@@ -1,0 +1,280 @@
+"""The training loop behind ``poss train``: data, target features, the multi-step objective, AdamW with a
+linear warmup/decay schedule, value clipping, periodic resumable checkpoints, validation and the final save.
+"""
+
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from poss.models.draft import PosSDraft
+from poss.models.draft_config import DraftConfig
+from poss.models.target import TargetRunner
+from poss.train import checkpoint as ckpt
+from poss.train.data import Example, collate, data_fingerprint
+from poss.train.ddp import DistInfo, all_reduce_sum, average_gradients, broadcast_parameters
+from poss.train.features import CachedFeatures, FeatureCache, OnlineFeatures
+from poss.train.objective import Objective, make_batch, run_steps
+
+METHODS = ("eagle2", "hass", "poss")
+
+
+@dataclass
+class TrainConfig:
+    method: str = "poss"
+    steps: Optional[int] = None  # default: eagle2 1, hass 3, poss 6
+    positions_per_specialist: int = 1
+    epochs: int = 1
+    batch_size: int = 1
+    lr: float = 3e-5
+    betas: tuple = (0.9, 0.95)
+    weight_decay: float = 0.01
+    warmup_frac: float = 0.01
+    clip_value: float = 0.5
+    noise_std: float = 0.2
+    v_weight: float = 1.0
+    p_weight: float = 0.1
+    topk_weight: float = 0.0
+    autocast: str = "bf16"  # bf16 | none
+    checkpoint_minutes: float = 10.0
+    seed: int = 0
+    max_batches: Optional[int] = None  # stop after this many optimizer steps (throughput probes, tests)
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.steps is None:
+            self.steps = {"eagle2": 1, "hass": 3, "poss": 6}[self.method]
+        if self.method == "eagle2" and self.steps != 1:
+            raise ValueError("eagle2 trains exactly one teacher-forced step (steps=1)")
+        if self.steps < 1 or self.positions_per_specialist < 1:
+            raise ValueError("steps and positions_per_specialist must be >= 1")
+        self.betas = tuple(self.betas)
+
+    @property
+    def n_specialists(self) -> int:
+        if self.method != "poss":
+            return 1
+        return math.ceil(self.steps / self.positions_per_specialist)
+
+    @property
+    def ppl(self) -> int:
+        # A single-layer draft drafts every position with layer 0; the config records that as ppl=steps.
+        return self.positions_per_specialist if self.method == "poss" else self.steps
+
+    def objective(self) -> Objective:
+        return Objective(self.steps, self.v_weight, self.p_weight, self.topk_weight)
+
+
+def new_draft(runner: TargetRunner, cfg: TrainConfig, target_name: str, init_from: Optional[str] = None,
+              seed: int = 0) -> PosSDraft:
+    """A fresh draft shaped like the target; ``init_from`` copies a trained single-layer draft into every specialist."""
+    dc = DraftConfig.for_target(runner.config, target_name, runner.fingerprint(),
+                                n_specialists=cfg.n_specialists, positions_per_specialist=cfg.ppl, fc_bias=True)
+    torch.manual_seed(seed)
+    draft = PosSDraft(dc)
+    if init_from:
+        src = PosSDraft.load(init_from)
+        if src.config.target_fingerprint and src.config.target_fingerprint != dc.target_fingerprint:
+            raise ValueError(f"{init_from} was trained for another target ({src.config.target_name})")
+        sd = src.state_dict()
+        new = {k: v for k, v in sd.items() if k.startswith("fc.")}
+        for j in range(dc.n_specialists):
+            new.update({k.replace("layers.0.", f"layers.{j}.", 1): v for k, v in sd.items() if k.startswith("layers.0.")})
+        draft.load_state_dict(new, strict=True)
+    return draft
+
+
+def linear_schedule(optimizer, total: int, warmup: int):
+    def f(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        return max(0.0, (total - step) / max(1, total - warmup))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, f)
+
+
+def _step_summary(metrics: List[Dict[str, torch.Tensor]]) -> Dict[str, List[float]]:
+    return {"loss": [float(m["loss"]) for m in metrics], "acc": [float(m["correct"]) / max(1, int(m["count"])) for m in metrics]}
+
+
+@torch.no_grad()
+def evaluate(draft, features, examples: Sequence[Example], ids: Sequence[int], cfg: TrainConfig, runner,
+             info: DistInfo = DistInfo()) -> Dict:
+    """Per-step validation metrics (no noise); rows are pooled over the whole set and over ranks."""
+    obj = cfg.objective()
+    S = cfg.steps
+    sums = torch.zeros(S, 4, dtype=torch.float64)  # vloss*M, ploss*M, correct, count
+    mine = list(range(info.rank, len(examples), info.world))
+    ac = torch.bfloat16 if cfg.autocast == "bf16" else None
+    for s in range(0, len(mine), cfg.batch_size):
+        chunk = [examples[i] for i in mine[s:s + cfg.batch_size]]
+        b = collate(chunk)
+        f = features(b["input_ids"], b["lengths"], [ids[i] for i in mine[s:s + cfg.batch_size]])
+        batch = make_batch(b["input_ids"].to(f.device), b["loss_mask"].to(f.device), b["lengths"], f, runner.lm_head)
+        for k, m in enumerate(run_steps(draft, batch, runner.embed, runner.lm_head, runner.inv_freq, obj,
+                                        backward=False, autocast_dtype=ac)):
+            M = float(m["count"])
+            sums[k] += torch.tensor([float(m["vloss"]) * M, float(m["ploss"]) * M, float(m["correct"]), M], dtype=torch.float64)
+    sums = all_reduce_sum(sums, info)
+    M = sums[:, 3].clamp(min=1)
+    vl, pl = (sums[:, 0] / M), (sums[:, 1] / M)
+    return {"vloss": vl.tolist(), "ploss": pl.tolist(), "loss": (cfg.v_weight * vl + cfg.p_weight * pl).tolist(),
+            "acc": (sums[:, 2] / M).tolist(), "tokens": int(sums[0, 3])}
+
+
+class Trainer:
+    """Trains one draft. ``train_examples`` / ``val_examples`` come from :mod:`poss.train.data` (or tests).
+
+    Args:
+        runner: the bf16 (or fp32) target runner; its ``max_batch``/``max_seq`` bound the batches.
+        out_dir: checkpoints (``trainer_state.pt``), ``metrics.jsonl`` and the final ``draft/``.
+        feature_cache: directory for the fp16 feature cache, or None for purely online features.
+        example_ids: stable ids of the train examples (feature-cache keys); val ids are offset by 10**9.
+    """
+
+    def __init__(self, runner: TargetRunner, cfg: TrainConfig, train_examples: List[Example], val_examples: List[Example],
+                 out_dir, target_name: str = "", init_from: Optional[str] = None, feature_cache: Optional[str] = None,
+                 info: DistInfo = DistInfo(), data_info: Optional[dict] = None, progress_bar: bool = True):
+        self.runner, self.cfg, self.info = runner, cfg, info
+        self.train, self.val = train_examples, val_examples
+        self.out = Path(out_dir)
+        self.progress_bar = progress_bar and info.main
+        online = OnlineFeatures(runner)
+        if feature_cache:
+            self.features = CachedFeatures(online, FeatureCache(Path(feature_cache) / f"rank{info.rank}"))
+        else:
+            self.features = online
+        self.draft = new_draft(runner, cfg, target_name, init_from, cfg.seed).to(runner.device)
+        broadcast_parameters(self.draft, info)
+        self.params = [p for p in self.draft.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        self.global_batch = cfg.batch_size * info.world
+        self.batches_per_epoch = len(train_examples) // self.global_batch
+        if self.batches_per_epoch < 1:
+            raise ValueError(f"{len(train_examples)} training examples cannot fill one global batch of {self.global_batch}")
+        self.total_steps = self.batches_per_epoch * cfg.epochs
+        self.sched = linear_schedule(self.opt, self.total_steps, max(1, int(self.total_steps * cfg.warmup_frac)))
+        self.progress = {"epoch": 0, "batch": 0, "step": 0, "tokens": 0, "seconds": 0.0}
+        self.data_info = dict(data_info or {})
+        self.data_info.setdefault("train_fingerprint", data_fingerprint(train_examples))
+        self.data_info.setdefault("val_fingerprint", data_fingerprint(val_examples))
+        self.data_info.update(n_train=len(train_examples), n_val=len(val_examples))
+
+    # -- state -------------------------------------------------------------------------------------
+    def resume(self) -> bool:
+        got = ckpt.load_state(self.out, self.draft, self.opt, self.sched)
+        if got is None:
+            return False
+        self.progress = got
+        return True
+
+    def save_checkpoint(self) -> None:
+        if hasattr(self.features, "cache"):
+            self.features.cache.flush()  # a resumed run then recomputes no features
+        if self.info.main:
+            ckpt.save_state(self.out, self.draft, self.opt, self.sched, self.progress)
+
+    def order(self, epoch: int) -> List[int]:
+        g = torch.Generator().manual_seed(self.cfg.seed * 1000 + epoch)
+        return torch.randperm(len(self.train), generator=g).tolist()
+
+    # -- one optimizer step ------------------------------------------------------------------------
+    def compute_gradients(self, idx: Sequence[int], noise: bool = True) -> List[Dict[str, torch.Tensor]]:
+        """Forward + per-step backward on this rank's examples ``idx``; gradients are left in ``.grad``."""
+        b = collate([self.train[i] for i in idx])
+        f = self.features(b["input_ids"], b["lengths"], list(idx))
+        dev = f.device
+        batch = make_batch(b["input_ids"].to(dev), b["loss_mask"].to(dev), b["lengths"], f, self.runner.lm_head,
+                           self.cfg.noise_std if noise else 0.0)
+        ac = torch.bfloat16 if self.cfg.autocast == "bf16" else None
+        return run_steps(self.draft, batch, self.runner.embed, self.runner.lm_head, self.runner.inv_freq,
+                         self.cfg.objective(), backward=True, autocast_dtype=ac)
+
+    def optimizer_step(self) -> None:
+        average_gradients(self.params, self.info)
+        torch.nn.utils.clip_grad_value_(self.params, self.cfg.clip_value)
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def fit(self) -> Dict:
+        from tqdm import tqdm
+
+        cfg, info = self.cfg, self.info
+        self.out.mkdir(parents=True, exist_ok=True)
+        log = open(self.out / "metrics.jsonl", "a") if info.main else None
+        bar = tqdm(total=self.total_steps, initial=self.progress["step"], disable=not self.progress_bar,
+                   dynamic_ncols=True, desc=f"{cfg.method} S={cfg.steps}")
+        last_ckpt = time.monotonic()
+        started = time.monotonic() - self.progress["seconds"]
+        ema_loss, ema_acc = None, None
+        stop = False
+        while self.progress["epoch"] < cfg.epochs and not stop:
+            order = self.order(self.progress["epoch"])
+            while self.progress["batch"] < self.batches_per_epoch:
+                at = self.progress["batch"] * self.global_batch + info.rank * cfg.batch_size
+                idx = order[at:at + cfg.batch_size]
+                metrics = self.compute_gradients(idx)
+                self.optimizer_step()
+                s = _step_summary(metrics)
+                loss = sum(s["loss"]) / len(s["loss"])
+                ema_loss = loss if ema_loss is None else 0.95 * ema_loss + 0.05 * loss
+                ema_acc = s["acc"] if ema_acc is None else [0.95 * a + 0.05 * b for a, b in zip(ema_acc, s["acc"])]
+                ntok = sum(len(self.train[i].input_ids) for i in idx) * info.world
+                self.progress.update(batch=self.progress["batch"] + 1, step=self.progress["step"] + 1,
+                                     tokens=self.progress["tokens"] + ntok, seconds=time.monotonic() - started)
+                bar.update(1)
+                bar.set_postfix_str(f"loss {ema_loss:.3f} acc " + "/".join(f"{a:.2f}" for a in ema_acc) +
+                                    f" tok/s {self.progress['tokens'] / max(1e-9, self.progress['seconds']):.0f}")
+                if log and self.progress["step"] % 10 == 0:
+                    log.write(json.dumps({"step": self.progress["step"], "epoch": self.progress["epoch"],
+                                          "loss": loss, "acc": s["acc"], "lr": self.sched.get_last_lr()[0],
+                                          "tokens": self.progress["tokens"], "seconds": self.progress["seconds"]}) + "\n")
+                    log.flush()
+                if time.monotonic() - last_ckpt >= cfg.checkpoint_minutes * 60:
+                    self.save_checkpoint()
+                    last_ckpt = time.monotonic()
+                if cfg.max_batches is not None and self.progress["step"] >= cfg.max_batches:
+                    stop = True
+                    break
+            if not stop:
+                self.progress.update(epoch=self.progress["epoch"] + 1, batch=0)
+                self.save_checkpoint()
+                last_ckpt = time.monotonic()
+        bar.close()
+        if stop:
+            self.save_checkpoint()
+        if hasattr(self.features, "cache"):
+            self.features.cache.flush()
+        result = {"progress": dict(self.progress), "finished": self.progress["epoch"] >= cfg.epochs}
+        if result["finished"]:
+            val_ids = [10 ** 9 + i for i in range(len(self.val))]
+            result["val"] = evaluate(self.draft, self.features, self.val, val_ids, cfg, self.runner, info)
+            self.save_final(result)
+        if log:
+            log.write(json.dumps({"final": result}) + "\n")
+            log.close()
+        return result
+
+    def save_final(self, result: Dict) -> Optional[Path]:
+        if not self.info.main:
+            return None
+        self.draft.config.training = {"recipe": {**asdict(self.cfg), "n_specialists": self.cfg.n_specialists},
+                                      "data": self.data_info, "world_size": self.info.world,
+                                      "train_seconds": self.progress["seconds"], "tokens": self.progress["tokens"],
+                                      "val": result.get("val")}
+        d = self.out / "draft"
+        self.draft.save(d)
+        # The shippable copy: fp16 weights (half the size; drafts run in the target's half dtype anyway).
+        half = PosSDraft(self.draft.config)
+        half.load_state_dict(self.draft.state_dict())
+        half.half().save(self.out / "draft-fp16")
+        return d

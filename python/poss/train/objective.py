@@ -1,0 +1,223 @@
+"""One objective for EAGLE-2, HASS and PosS-n (poss-algorithm.md §2.3-2.4).
+
+A method is ``(steps, positions_per_specialist)``: EAGLE-2 = (1, 1), HASS = (3, n=1 specialist),
+PosS-n = (S, n). Step k runs specialist ``min(k // n, N - 1)`` over feature levels 0..k: level 0 is the
+true (noised) feature, level l the detached, right-shifted prediction of step l - 1. Every step's
+target is the true next feature f_{t+1} and the target's distribution over x_{t+2}. Each step is
+backpropagated on its own (gradients accumulate), as in the reference, so only one step's graph is
+alive at a time.
+"""
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from poss.models.draft import PosSDraft
+from poss.train.aligned_attention import aligned_attention
+
+
+@dataclass
+class Objective:
+    steps: int = 1
+    v_weight: float = 1.0
+    p_weight: float = 0.1
+    topk_weight: float = 0.0
+    topk: int = 10
+    chunk: int = 128  # rows per lm_head chunk in the distillation loss
+
+
+def rope_tables(inv_freq: Tensor, L: int, dtype) -> tuple:
+    ang = torch.arange(L, device=inv_freq.device, dtype=torch.float32).unsqueeze(-1) * inv_freq
+    ang = torch.cat([ang, ang], -1)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, -1)
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def specialist_levels(draft: PosSDraft, j: int, embeds: Tensor, levels: List[Tensor], cos: Tensor,
+                      sin: Tensor) -> Tensor:
+    """Differentiable step of specialist j over feature levels: returns g ``[B, L, H]`` in ``embeds.dtype``.
+
+    embeds ``[B, L, H]`` = Embed(x_{t+1}) in the compute dtype (bf16 for mixed precision, else fp32);
+    levels: ``k + 1`` tensors ``[B, L, H]``. Query and residual come from the newest level; keys/values
+    of every level from specialist j's projections. The fp32 master weights are cast to the compute
+    dtype once per call (not once per level), the RMSNorm runs in fp32.
+    """
+    c, sp = draft.config, draft.layers[j]
+    B, L, _ = embeds.shape
+    cd = embeds.dtype
+    nq, nkv = c.heads * c.head_dim, c.kv_heads * c.head_dim
+    w_fc = draft.fc.weight.to(cd)
+    w_qkv = sp.qkv_proj.weight.to(cd)
+    cos, sin = cos.to(cd), sin.to(cd)
+    # fc([e; f]) = W_e e + W_f f + b: the token half is the same for every level, so compute it once.
+    e_part = F.linear(embeds, w_fc[:, : c.hidden], None if draft.fc.bias is None else draft.fc.bias.to(cd))
+    w_f = w_fc[:, c.hidden:]
+    us = [e_part + F.linear(lv.to(cd), w_f) for lv in levels]
+    # Queries only for the newest level; keys/values (the weight's k|v rows) for every level.
+    q = _rope(F.linear(us[-1], w_qkv[:nq]).view(B, L, c.heads, c.head_dim).transpose(1, 2), cos, sin)
+    w_kv = w_qkv[nq:]
+    keys, values = [], []
+    for u in us:
+        k, v = F.linear(u, w_kv).split([nkv, nkv], -1)
+        keys.append(_rope(k.view(B, L, c.kv_heads, c.head_dim).transpose(1, 2), cos, sin))
+        values.append(v.view(B, L, c.kv_heads, c.head_dim).transpose(1, 2))
+    attn = aligned_attention(q, keys, values, c.head_dim ** -0.5)
+    h = us[-1] + F.linear(attn.transpose(1, 2).reshape(B, L, nq), sp.o_proj.weight.to(cd))
+    hf = h.float()
+    normed = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + c.rms_eps) * sp.post_norm.float()).to(cd)
+    gate, up = F.linear(normed, sp.gate_up_proj.weight.to(cd)).chunk(2, -1)
+    return h + F.linear(F.silu(gate) * up, sp.down_proj.weight.to(cd))
+
+
+@dataclass
+class Batch:
+    """Shifted training tensors (poss-algorithm.md §2.2), all ``[B, L, ...]``; row t pairs f_t with x_{t+1}."""
+
+    tokens: Tensor  # x_{t+1}, int64
+    features: Tensor  # f_t (noise added on the train split)
+    target: Tensor  # f_{t+1}
+    row_mask: Tensor  # bool: row t is trained (x_{t+1} is an assistant token and f_{t+1} exists)
+    target_p: Tensor  # [M, V] float32 softmax of lm_head(f_{t+1}) at the M masked rows
+    target_top1: Tensor  # [M] int64 argmax of the same logits
+
+
+def make_batch(input_ids: Tensor, loss_mask: Tensor, lengths: Tensor, features: Tensor, lm_head: Tensor,
+               noise_std: float = 0.0, generator: Optional[torch.Generator] = None) -> Batch:
+    """Build the shifted batch from right-padded ``[B, L]`` tokens/mask, ``lengths [B]`` and features ``[B, L, H]``.
+
+    ``noise_std > 0`` adds EAGLE's uniform noise scaled by 512 / L per sample."""
+    B, L = input_ids.shape
+    zero = torch.zeros(B, 1, dtype=input_ids.dtype, device=input_ids.device)
+    tokens = torch.cat([input_ids[:, 1:], zero], 1)
+    target = torch.cat([features[:, 1:], torch.zeros_like(features[:, :1])], 1)
+    row_mask = torch.cat([loss_mask[:, 1:], zero], 1).bool()
+    feats = features
+    if noise_std > 0:
+        scale = (noise_std * 512.0 / lengths.float()).view(B, 1, 1).to(features.device)
+        u = torch.rand(features.shape, generator=generator, device=features.device)
+        feats = (features.float() + (u - 0.5) * scale).to(features.dtype)
+    with torch.no_grad():
+        t = target[row_mask]
+        z = t @ lm_head.t().to(t.dtype)
+        target_p = torch.softmax(z.float(), -1)
+    return Batch(tokens, feats, target, row_mask, target_p, z.argmax(-1))
+
+
+class HeadDistillation(torch.autograd.Function):
+    """Soft cross-entropy (and optional top-K loss) of ``lm_head(g)`` against the target's distribution, in row chunks.
+
+    The ``[M, V]`` logits dominate the draft's training cost on CPU. This never keeps them: each chunk
+    of rows computes its logits, loss terms and top-1 agreement, and (when g needs a gradient) the
+    logit gradient ``p_w (softmax(z) - p) + topk_w (sum(p_K) softmax(z) - p_K)`` is folded straight
+    back through the frozen head into ``grad_g [M, H]``. Temporaries are chunk-sized, so they stay in
+    cache, and backward is a single scale of the stored ``grad_g``.
+
+    Returns ``(weighted loss sum, ce sum, topk sum, correct count)``; only the first is differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx, g: Tensor, head: Tensor, p: Tensor, top1: Tensor, p_weight: float, topk_weight: float,
+                topk: int, chunk: int):
+        need = ctx.needs_input_grad[0]
+        acc = torch.promote_types(g.dtype, torch.float32)  # fp32 logits for bf16 inputs
+        w = head.to(g.dtype)
+        grad_g = torch.empty(g.shape, dtype=acc, device=g.device) if need else None
+        ce = torch.zeros((), dtype=torch.float64, device=g.device)
+        tk = torch.zeros((), dtype=torch.float64, device=g.device)
+        correct = torch.zeros((), dtype=torch.int64, device=g.device)
+        for s in range(0, g.shape[0], chunk):
+            e = min(s + chunk, g.shape[0])
+            z = (g[s:e] @ w.t()).to(acc)
+            pc = p[s:e].to(acc)
+            # Few passes over the [chunk, V] block: max, <p, z>, exp in place, sum.
+            zmax, arg = z.max(-1, keepdim=True)
+            correct += (arg.squeeze(-1) == top1[s:e]).sum()
+            pz = torch.linalg.vecdot(pc, z)
+            if topk_weight > 0:
+                tp, ti = pc.topk(topk, -1)
+                tz = z.gather(-1, ti)
+            ez = z.sub_(zmax).exp_()  # z is consumed: exp(z - max)
+            sumexp = ez.sum(-1, keepdim=True)
+            lse = zmax + sumexp.log()
+            ce += (lse.squeeze(-1) - pz).sum().double()
+            if topk_weight > 0:
+                tk += -(tp * (tz - lse)).sum().double()
+            if need:
+                # softmax = ez / sumexp; d/dz = p_w (softmax - p) + topk_w (sum(p_K) softmax - p_K)
+                if topk_weight > 0:
+                    dz = ez.mul_((p_weight + topk_weight * tp.sum(-1, keepdim=True)) / sumexp)
+                    dz.scatter_add_(-1, ti, -topk_weight * tp)
+                    dz.sub_(pc, alpha=p_weight)
+                else:
+                    dz = ez.div_(sumexp).sub_(pc).mul_(p_weight)
+                grad_g[s:e] = (dz.to(w.dtype) @ w).to(acc)
+        ctx.save_for_backward(grad_g)
+        ctx.g_dtype = g.dtype
+        ctx.mark_non_differentiable(ce, tk, correct)
+        loss = (p_weight * ce + topk_weight * tk).float()
+        return loss, ce.float(), tk.float(), correct
+
+    @staticmethod
+    def backward(ctx, grad_loss, *unused):
+        (grad_g,) = ctx.saved_tensors
+        return (grad_g * grad_loss).to(ctx.g_dtype), None, None, None, None, None, None, None
+
+
+def step_losses(g: Tensor, batch: Batch, lm_head: Tensor, obj: Objective) -> Dict[str, Tensor]:
+    """Losses of one step at the masked rows (sums normalised by M + 1e-5, as in the reference)."""
+    m = batch.row_mask
+    M = m.sum()
+    gm = g[m]
+    tm = batch.target[m].to(gm.dtype)
+    denom = M.float() + 1e-5
+    vloss = F.smooth_l1_loss(gm.float(), tm.float(), reduction="none").mean(-1).sum() / denom
+    head_loss, ce, tk, correct = HeadDistillation.apply(gm, lm_head, batch.target_p, batch.target_top1, obj.p_weight,
+                                                        obj.topk_weight, obj.topk, obj.chunk)
+    loss = obj.v_weight * vloss + head_loss / denom
+    out = {"vloss": vloss.detach(), "ploss": ce / denom, "correct": correct, "count": M}
+    if obj.topk_weight > 0:
+        out["topkloss"] = tk / denom
+    out["loss"] = loss
+    return out
+
+
+def run_steps(draft: PosSDraft, batch: Batch, embed: Tensor, lm_head: Tensor, inv_freq: Tensor, obj: Objective,
+              backward: bool = True, autocast_dtype: Optional[torch.dtype] = torch.bfloat16,
+              keep_outputs: bool = False) -> List[Dict[str, Tensor]]:
+    """All ``obj.steps`` steps on one batch; with ``backward`` each step's loss is backpropagated.
+
+    Returns per-step metric dicts (loss tensors detached; ``keep_outputs`` adds each step's
+    prediction ``g [B, L, H]`` and its input ``levels``).
+    """
+    c = draft.config
+    B, L = batch.tokens.shape
+    dev = batch.features.device
+    cos, sin = rope_tables(inv_freq.to(dev), L, torch.float32)
+    levels = [batch.features]
+    out = []
+    ppl, n = c.positions_per_specialist, c.n_specialists
+    for k in range(obj.steps):
+        j = min(k // ppl, n - 1)
+        # Mixed precision by hand: weights are cast once per step inside specialist_levels, which
+        # autocast would redo for every level; the loss head takes its dtype from g.
+        embeds = F.embedding(batch.tokens, embed).to(autocast_dtype or torch.float32)
+        g = specialist_levels(draft, j, embeds, levels, cos, sin)
+        m = step_losses(g, batch, lm_head, obj)
+        if backward:
+            m["loss"].backward()
+        m["loss"] = m["loss"].detach()
+        if keep_outputs:
+            m["g"], m["levels"] = g.detach(), list(levels)
+        out.append(m)
+        if k + 1 < obj.steps:
+            # Next level: the prediction for row t becomes the input feature of row t + 1; row 0 keeps f_0.
+            prev = levels[-1]
+            levels.append(torch.cat([prev[:, :1], g[:, :-1].to(prev.dtype)], 1).detach())
+    return out
