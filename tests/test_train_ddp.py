@@ -1,6 +1,5 @@
 """Two CPU processes under torchrun (gloo): gradients are averaged over ranks and weights stay identical."""
 
-import os
 import socket
 import subprocess
 import sys
@@ -9,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from child_env import child_env
 from train_tiny import make_trainer
 
 HERE = Path(__file__).resolve().parent
@@ -21,11 +21,10 @@ def _free_port():
 
 
 def test_two_process_gradients_are_averaged(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE.parent / "python")]),
-               OMP_NUM_THREADS="1")
+    env = child_env(OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(_free_port()), str(HERE / "train_tiny.py"), str(tmp_path), "--grad-dump"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     assert r0["idx"] != r1["idx"]  # each rank trained on its own shard
