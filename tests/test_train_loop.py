@@ -143,3 +143,13 @@ def test_cli_has_the_train_subcommand():
         from poss.train.loop import TrainConfig
 
         TrainConfig(method="eagle2", steps=3)
+
+
+def test_resume_refuses_a_checkpoint_of_another_run(tmp_path):
+    tr = make_trainer(tmp_path, n_train=4, batch_size=2, epochs=1, max_batches=1)
+    tr.fit()
+    assert make_trainer(tmp_path, n_train=4, batch_size=2, epochs=1).resume()
+    with pytest.raises(ValueError, match="another run"):
+        make_trainer(tmp_path, n_train=6, batch_size=2, epochs=1).resume()  # different data
+    with pytest.raises(ValueError, match="another run"):
+        make_trainer(tmp_path, n_train=4, batch_size=2, epochs=1, steps=2).resume()  # different method settings

@@ -27,12 +27,17 @@ def save_state(directory, draft, optimizer, scheduler, progress: dict) -> Path:
     return d / STATE
 
 
-def load_state(directory, draft, optimizer, scheduler) -> Optional[dict]:
-    """Restore what :func:`save_state` wrote; returns the progress dict, or None when there is no state."""
+def load_state(directory, draft, optimizer, scheduler, check=None) -> Optional[dict]:
+    """Restore what :func:`save_state` wrote; returns the progress dict, or None when there is no state.
+
+    ``check(progress)`` runs before anything is restored (it raises to refuse the checkpoint).
+    """
     path = Path(directory) / STATE
     if not path.exists():
         return None
     state = torch.load(path, map_location="cpu", weights_only=False)
+    if check is not None:
+        check(state["progress"])
     draft.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])

@@ -161,18 +161,29 @@ class Trainer:
             raise ValueError(f"{len(train_examples)} training examples cannot fill one global batch of {self.global_batch}")
         self.total_steps = self.batches_per_epoch * cfg.epochs
         self.sched = linear_schedule(self.opt, self.total_steps, max(1, int(self.total_steps * cfg.warmup_frac)))
-        self.progress = {"epoch": 0, "batch": 0, "step": 0, "tokens": 0, "seconds": 0.0}
         self.data_info = dict(data_info or {})
         self.data_info.setdefault("train_fingerprint", data_fingerprint(train_examples))
+        # The run's identity travels in the checkpoint so --resume refuses a mismatched run.
+        self.progress = {"epoch": 0, "batch": 0, "step": 0, "tokens": 0, "seconds": 0.0,
+                         "train_fingerprint": self.data_info["train_fingerprint"], "method": cfg.method,
+                         "steps": cfg.steps, "positions_per_specialist": cfg.positions_per_specialist}
         self.data_info.setdefault("val_fingerprint", data_fingerprint(val_examples))
         self.data_info.update(n_train=len(train_examples), n_val=len(val_examples))
 
     # -- state -------------------------------------------------------------------------------------
     def resume(self) -> bool:
-        got = ckpt.load_state(self.out, self.draft, self.opt, self.sched)
+        def same_run(got):
+            keys = ("train_fingerprint", "method", "steps", "positions_per_specialist")
+            keys = [k for k in keys if k in got]  # checkpoints from before this check carry none of them
+            have, want = [got[k] for k in keys], [self.progress[k] for k in keys]
+            if have != want:
+                raise ValueError(f"{self.out} holds a checkpoint of another run (data/method/steps/ppl {have}, "
+                                 f"now {want}); use a new --out or the original settings")
+
+        got = ckpt.load_state(self.out, self.draft, self.opt, self.sched, check=same_run)
         if got is None:
             return False
-        self.progress = got
+        self.progress.update(got)
         return True
 
     def save_checkpoint(self) -> None:
