@@ -6,13 +6,9 @@
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from poss.models.target import TargetRunner  # noqa: E402
 from poss.train.data import Example  # noqa: E402
