@@ -50,42 +50,31 @@ struct BlockOps {
   float& float_out;
   int64_t& int_out;
 
+  // Thread 0 holds a block reduction's result; hand it to every thread through shared memory.
+  template <typename T>
+  __device__ T broadcast(T value, T& slot) {
+    if (threadIdx.x == 0) slot = value;
+    __syncthreads();
+    value = slot;
+    __syncthreads();
+    return value;
+  }
+
   __device__ ArgMax argmax(ArgMax v) {
-    ArgMax r = cub::BlockReduce<ArgMax, kThreads>(storage.argmax).Reduce(v, ArgMaxOp());
-    if (threadIdx.x == 0) argmax_out = r;
-    __syncthreads();
-    r = argmax_out;
-    __syncthreads();
-    return r;
+    return broadcast(cub::BlockReduce<ArgMax, kThreads>(storage.argmax).Reduce(v, ArgMaxOp()),
+                     argmax_out);
   }
   __device__ double sum(double v) {
-    double r = cub::BlockReduce<double, kThreads>(storage.sum).Sum(v);
-    if (threadIdx.x == 0) double_out = r;
-    __syncthreads();
-    r = double_out;
-    __syncthreads();
-    return r;
+    return broadcast(cub::BlockReduce<double, kThreads>(storage.sum).Sum(v), double_out);
   }
   __device__ float max(float v) {
     // fmaxf drops NaN; NaN is detected separately by the callers.
-    float r = cub::BlockReduce<float, kThreads>(storage.fmax).Reduce(v, [](float a, float b) {
-      return fmaxf(a, b);
-    });
-    if (threadIdx.x == 0) float_out = r;
-    __syncthreads();
-    r = float_out;
-    __syncthreads();
-    return r;
+    auto op = [](float a, float b) { return fmaxf(a, b); };
+    return broadcast(cub::BlockReduce<float, kThreads>(storage.fmax).Reduce(v, op), float_out);
   }
   __device__ int64_t max_index(int64_t v) {
-    int64_t r = cub::BlockReduce<int64_t, kThreads>(storage.imax).Reduce(v, [](int64_t a, int64_t b) {
-      return a > b ? a : b;
-    });
-    if (threadIdx.x == 0) int_out = r;
-    __syncthreads();
-    r = int_out;
-    __syncthreads();
-    return r;
+    auto op = [](int64_t a, int64_t b) { return a > b ? a : b; };
+    return broadcast(cub::BlockReduce<int64_t, kThreads>(storage.imax).Reduce(v, op), int_out);
   }
 };
 
