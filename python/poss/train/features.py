@@ -9,6 +9,7 @@ in sharded fp16 safetensors files and computes only the misses.
 
 import json
 import os
+import uuid
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -91,12 +92,17 @@ class FeatureCache:
     def flush(self) -> None:
         if not self.pending:
             return
-        name = f"shard-{len(set(self.index.values())):05d}.safetensors"
+        # Unique shard names and a merge with the index on disk let a second process (a validation
+        # run beside a training run) share the folder without overwriting the other's shards.
+        name = f"shard-{uuid.uuid4().hex[:16]}.safetensors"
         tmp = self.dir / (name + ".tmp")
         save_file(self.pending, str(tmp))
         os.replace(tmp, self.dir / name)
+        idx = self.dir / "index.json"
+        if idx.exists():
+            self.index.update({k: v for k, v in json.loads(idx.read_text()).items() if k not in self.index})
         self.index.update({k: name for k in self.pending})
-        tmp_idx = self.dir / "index.json.tmp"
+        tmp_idx = self.dir / f"index.json.{os.getpid()}.tmp"
         tmp_idx.write_text(json.dumps(self.index))
         os.replace(tmp_idx, self.dir / "index.json")
         self.pending, self.pending_bytes = {}, 0
@@ -130,3 +136,11 @@ class CachedFeatures:
             f = self.cache.get(i)
             out[b, : f.shape[0]] = f.to(out.device, dtype)
         return out
+
+
+def make_features(runner: TargetRunner, feature_cache=None, rank: int = 0):
+    """Online features, or cached ones in ``feature_cache/rank{rank}`` when a cache folder is given."""
+    online = OnlineFeatures(runner)
+    if not feature_cache:
+        return online
+    return CachedFeatures(online, FeatureCache(Path(feature_cache) / f"rank{rank}"))

@@ -19,10 +19,11 @@ from poss.models.target import TargetRunner
 from poss.train import checkpoint as ckpt
 from poss.train.data import Example, collate, data_fingerprint
 from poss.train.ddp import DistInfo, all_reduce_sum, average_gradients, broadcast_parameters
-from poss.train.features import CachedFeatures, FeatureCache, OnlineFeatures
+from poss.train.features import make_features
 from poss.train.objective import Objective, make_batch, run_steps
 
 METHODS = ("eagle2", "hass", "poss")
+VAL_ID_OFFSET = 10 ** 9  # feature-cache ids of validation examples (train examples use their index)
 
 
 @dataclass
@@ -146,11 +147,7 @@ class Trainer:
         self.train, self.val = train_examples, val_examples
         self.out = Path(out_dir)
         self.progress_bar = progress_bar and info.main
-        online = OnlineFeatures(runner)
-        if feature_cache:
-            self.features = CachedFeatures(online, FeatureCache(Path(feature_cache) / f"rank{info.rank}"))
-        else:
-            self.features = online
+        self.features = make_features(runner, feature_cache, info.rank)
         self.draft = new_draft(runner, cfg, target_name, init_from, cfg.seed).to(runner.device)
         broadcast_parameters(self.draft, info)
         self.params = [p for p in self.draft.parameters() if p.requires_grad]
@@ -267,8 +264,10 @@ class Trainer:
             self.features.cache.flush()
         result = {"progress": dict(self.progress), "finished": self.progress["epoch"] >= cfg.epochs}
         if result["finished"]:
-            val_ids = [10 ** 9 + i for i in range(len(self.val))]
+            val_ids = [VAL_ID_OFFSET + i for i in range(len(self.val))]
             result["val"] = evaluate(self.draft, self.features, self.val, val_ids, cfg, self.runner, info)
+            if hasattr(self.features, "cache"):
+                self.features.cache.flush()
             self.save_final(result)
         if log:
             log.write(json.dumps({"final": result}) + "\n")
