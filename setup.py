@@ -108,15 +108,16 @@ class BuildExt(cpp_extension.BuildExtension):
 
 
 EXT, ARCH_LIST = extension()
+# The trained drafts in drafts/ install as data of poss (poss/drafts/<name>/...), where
+# poss.api.shipped_draft finds them.
+DRAFT_PACKAGE = ["poss.drafts"] if os.path.isdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "drafts")) else []
 
 setup(
-    # The trained drafts in drafts/ install as data of poss (poss/drafts/<name>/...), where
-    # poss.api.shipped_draft finds them.
     packages=find_packages(include=["poss_ext", "poss_ext.*"])
     + find_packages("python", include=["poss", "poss.*"])
-    + ["poss.drafts"],
-    package_dir={"poss": "python/poss", "poss.drafts": "drafts"},
-    package_data={"poss.drafts": ["*/config.json", "*/model.safetensors", "*/README.md"]},
+    + DRAFT_PACKAGE,
+    package_dir={"poss": "python/poss", **{p: "drafts" for p in DRAFT_PACKAGE}},
+    package_data={p: ["*/config.json", "*/model.safetensors", "*/README.md"] for p in DRAFT_PACKAGE},
     ext_modules=[EXT],
     cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},
 )

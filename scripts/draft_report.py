@@ -52,13 +52,13 @@ def mean(xs):
 
 
 def table(rows, steps: int) -> str:
-    head = ("| draft | specialists | positions trained | train time | tokens | val loss (trained steps) | "
+    head = (f"| draft | specialists | positions trained | train time | tokens | val loss (mean @1..{steps}) | "
             + " | ".join(f"acc@{k + 1}" for k in range(steps)) + f" | mean acc@1..{steps} |")
     lines = [head, "|" + "---|" * (7 + steps)]
     for d in rows:
         acc = d["val"]["acc"]
         lines.append(f"| {d['label']} (`{d['run']}`) | {d['cfg']['n_specialists']} | {d['recipe']['steps']} | "
-                     f"{d['minutes']:.0f} min | {d['tokens']:,} | {mean(d['train_val'].get('loss', [])):.3f} | "
+                     f"{d['minutes']:.0f} min | {d['tokens']:,} | {mean(d['val']['loss']):.3f} | "
                      + " | ".join(f"{100 * a:.1f}" for a in acc) + f" | {100 * mean(acc):.1f} |")
     return "\n".join(lines)
 
