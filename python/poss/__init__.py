@@ -11,3 +11,10 @@ def load(*args, **kwargs):
     from poss.api import load as _load
 
     return _load(*args, **kwargs)
+
+
+def shipped_draft(target: str = "smollm2-135m"):
+    """See :func:`poss.api.shipped_draft`: the trained draft folder shipped for ``target``, or None."""
+    from poss.api import shipped_draft as _shipped
+
+    return _shipped(target)
