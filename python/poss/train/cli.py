@@ -1,4 +1,4 @@
-"""``poss train``: build the data, load the target, train one draft (EAGLE-2, HASS or PosS-n)."""
+"""``poss train``: build the data, load the target, train one draft (EAGLE-2, HASS or PosS-n) or score one (--validate)."""
 
 import argparse
 import hashlib
