@@ -15,17 +15,12 @@ from poss.train.data import Example  # noqa: E402
 
 
 def tiny_target(seed=0, dtype=torch.float32, max_batch=2, max_seq=48):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A runner on loop_helpers' random Llama, made smaller (vocab 128, hidden 128) for training tests."""
+    from loop_helpers import tiny_target as random_llama
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0)
-    cfg._attn_implementation = "eager"
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
+    model = random_llama(vocab=128, layer_scale=1.0, seed=seed, hidden_size=128, intermediate_size=96,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                         pad_token_id=None)
     return TargetRunner(model, max_batch=max_batch, max_seq=max_seq, dtype=dtype)
 
 

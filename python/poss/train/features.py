@@ -31,14 +31,6 @@ class OnlineFeatures:
     def __init__(self, runner: TargetRunner):
         self.runner = runner
 
-    @property
-    def lm_head(self) -> Tensor:
-        return self.runner.lm_head
-
-    @property
-    def embed(self) -> Tensor:
-        return self.runner.embed
-
     @torch.no_grad()
     def __call__(self, input_ids: Tensor, lengths: Tensor, indices: Optional[Sequence[int]] = None) -> Tensor:
         r = self.runner
@@ -114,14 +106,6 @@ class CachedFeatures:
     def __init__(self, online: OnlineFeatures, cache: FeatureCache):
         self.online, self.cache = online, cache
 
-    @property
-    def lm_head(self) -> Tensor:
-        return self.online.lm_head
-
-    @property
-    def embed(self) -> Tensor:
-        return self.online.embed
-
     def __call__(self, input_ids: Tensor, lengths: Tensor, indices: Sequence[int]) -> Tensor:
         B, L = input_ids.shape
         miss = [b for b, i in enumerate(indices) if i not in self.cache]
@@ -130,11 +114,11 @@ class CachedFeatures:
             f = self.online(sub, lengths[miss])
             for row, b in enumerate(miss):
                 self.cache.put(indices[b], f[row, : int(lengths[b])])
-        dtype = self.online.runner.dtype
-        out = torch.zeros(B, L, self.lm_head.shape[1], dtype=dtype, device=self.online.runner.device)
+        r = self.online.runner
+        out = torch.zeros(B, L, r.lm_head.shape[1], dtype=r.dtype, device=r.device)
         for b, i in enumerate(indices):
             f = self.cache.get(i)
-            out[b, : f.shape[0]] = f.to(out.device, dtype)
+            out[b, : f.shape[0]] = f.to(out.device, r.dtype)
         return out
 
 

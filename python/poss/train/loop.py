@@ -102,7 +102,9 @@ def linear_schedule(optimizer, total: int, warmup: int):
 
 
 def _step_summary(metrics: List[Dict[str, torch.Tensor]]) -> Dict[str, List[float]]:
-    return {"loss": [float(m["loss"]) for m in metrics], "acc": [float(m["correct"]) / max(1, int(m["count"])) for m in metrics]}
+    # One device->host copy for all steps' (loss, correct, count), not three per step.
+    rows = torch.stack([torch.stack([m["loss"].float(), m["correct"].float(), m["count"].float()]) for m in metrics]).tolist()
+    return {"loss": [r[0] for r in rows], "acc": [r[1] / max(1.0, r[2]) for r in rows]}
 
 
 @torch.no_grad()
