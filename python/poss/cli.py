@@ -12,10 +12,12 @@ def main(argv=None) -> int:
     sub.add_parser("demo", help="verify a small draft tree with torch.ops.poss.tree_verify")
     from poss import cli_generate
     from poss.train.cli import add_train_parser
+    from poss.train.distill import add_distill_parser
 
     cli_generate.add_arguments(sub.add_parser("generate", help="generate text for one or more prompts"), chat=False)
     cli_generate.add_arguments(sub.add_parser("chat", help="interactive multi-turn chat"), chat=True)
     add_train_parser(sub)
+    add_distill_parser(sub)
     for name in ("eval",):
         sub.add_parser(name, help=f"{name} (not available yet in this version)")
     args = parser.parse_args(argv)
@@ -32,6 +34,10 @@ def main(argv=None) -> int:
         from poss.train.cli import run_train
 
         return run_train(args)
+    if args.command == "distill":
+        from poss.train.distill import run_distill
+
+        return run_distill(args)
     if args.command == "demo":
         from poss.demo import main as demo
 

@@ -43,9 +43,14 @@ class Stats:
 
 @dataclass
 class Result:
+    """``features[i]`` (only with ``Generator.keep_features``): the target's final-norm features
+    ``[P + n - 1, H]`` of prompt i's tokens followed by its n generated tokens, the last one excluded
+    (its feature would only be computed by the next round)."""
+
     texts: List[str]
     stats: List[Stats]
     token_ids: List[List[int]]
+    features: Optional[List[torch.Tensor]] = None
 
 
 def _per_request(value, n: int, name: str) -> list:
@@ -91,6 +96,9 @@ class Generator:
         self.context_limit = int(context_limit or getattr(runner.config, "max_position_embeddings", 4096))
         self.end_ids = set(end_token_ids(tokenizer, generation_config) if end_ids is None else end_ids)
         self.profile: Optional[Dict[str, List[float]]] = None  # phase -> seconds per round, when set
+        # Keep every request's target features (prompt + answer) in the Result: on-policy draft
+        # training data from the same run, with no second target pass.
+        self.keep_features = False
 
     # -- prompts ---------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> List[int]:
@@ -165,7 +173,8 @@ class Generator:
             rounds = sum(r.accept_hist)
             tau = sum((k + 1) * c for k, c in enumerate(r.accept_hist)) / rounds if rounds else 0.0
             stats.append(Stats(len(r.generated), rounds, tau, list(r.accept_hist), r.seconds, r.finish_reason or ""))
-        return Result(texts, stats, [list(r.generated) for r in reqs])
+        feats = [r.features for r in reqs] if self.keep_features else None
+        return Result(texts, stats, [list(r.generated) for r in reqs], feats)
 
     def _run(self, reqs: List[Request], num_nodes: int, depth: int, top_k_draft: int, seed, stop) -> Iterator[None]:
         start = time.perf_counter()
@@ -183,7 +192,8 @@ class Generator:
         longest = max(len(r.prompt) for r in reqs)
         capacity = min(self.context_limit, longest + reqs[0].max_new_tokens) + num_nodes + top_k_draft * depth + depth + 8
         self._ensure_caches(len(reqs), capacity)
-        seq = Sequences(reqs, self.runner.hidden_size, capacity, self.runner.dtype, self.runner.device, speculate)
+        seq = Sequences(reqs, self.runner.hidden_size, capacity, self.runner.dtype, self.runner.device,
+                        speculate or self.keep_features)
         device = self.runner.device
         self.rng = torch.Generator(device=device).manual_seed(random.randrange(1 << 62) if seed is None else seed)
         caches = [self.runner.cache] + ([self.draft.caches] if speculate else [])
@@ -194,6 +204,7 @@ class Generator:
             stopper.append(r, [first[b]], self.context_limit - len(r.prompt))
         self._finish_times(seq.requests, start)
         yield
+        self._keep_features(seq)
         seq.drop_finished(caches)
         while seq.batch:
             rows = self.round(seq, num_nodes, depth, top_k_draft)
@@ -205,6 +216,7 @@ class Generator:
                 stopper.append(r, row[1:a + 2], self.context_limit - len(r.prompt))
             self._finish_times(seq.requests, start)
             yield
+            self._keep_features(seq)
             seq.drop_finished(caches)
             self._record("host", t)
 
@@ -228,6 +240,7 @@ class Generator:
         seq.ids.scatter_(1, seq.length_dev.long().unsqueeze(1), first.unsqueeze(1))
         if seq.feats is not None:
             seq.feats[:, : feats.shape[1]] = feats.to(seq.feats.dtype)
+        if seq.feats is not None and depth:
             W = max(max(P) - 1, 1)
             parents = chain_parents([max(p - 1, 1) for p in P], W, dev)
             pos = torch.arange(W, device=dev).expand(B, W).contiguous()
@@ -269,6 +282,14 @@ class Generator:
         now = time.perf_counter()
         self.profile.setdefault(phase, []).append(now - since)
         return now
+
+    def _keep_features(self, seq: Sequences) -> None:
+        if not self.keep_features:
+            return
+        for b, r in enumerate(seq.requests):
+            if r.finished and r.features is None:
+                n = len(r.prompt) + len(r.generated) - 1  # features exist for t < committed length
+                r.features = seq.feats[b, :n].clone()
 
     @staticmethod
     def _finish_times(requests, start):

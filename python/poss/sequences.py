@@ -38,6 +38,7 @@ class Request:
     finish_reason: Optional[str] = None
     seconds: float = 0.0
     text_end: Optional[int] = None  # set when a stop string cut the text
+    features: Optional[Tensor] = None  # [P + n - 1, H], kept when the generator keeps features
 
 
 class Sequences:

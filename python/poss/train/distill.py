@@ -1,0 +1,178 @@
+"""``poss distill``: on-policy draft-training data, made by our own batched generation loop.
+
+The target answers ShareGPT first-turn prompts greedily, in batches, through :class:`Generator` with
+``keep_features`` on, so the same run yields
+
+- ``records.jsonl``: one line per prompt, in selection order: ``{"key", "split", "source_index",
+  "prompt_ids", "answer_ids", "truncated"}``. Token ids are those generated (no decode / re-encode
+  round trip); ``truncated`` marks answers cut by ``--max-new-tokens`` (no end token is invented);
+- ``features/rank0``: the target's features of every position (a :class:`FeatureCache`, fp16),
+  keyed the way :class:`poss.train.loop.Trainer` reads them (train: selection position k,
+  validation: ``VAL_ID_OFFSET + k``), so training needs no second target pass;
+- ``meta.json``: the recipe (target, fingerprint, dtype, seed, lengths) and the throughput.
+
+A training example is ``prompt + answer`` without its last token (whose feature the loop never
+computes; the target's distribution at the position before still teaches it), with the loss on the
+answer. The held-out split is on-policy too, so its accuracy predicts tau.
+
+The run is resumable: batches are written whole (features flushed before their records), and a
+restart skips the keys already in ``records.jsonl``.
+"""
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import torch
+
+from poss.train.data import Example
+from poss.train.loop import VAL_ID_OFFSET
+
+
+def is_english(text: str, min_chars: int = 16) -> bool:
+    """A cheap filter: mostly ASCII letters among the letters, and not trivially short."""
+    letters = [c for c in text if c.isalpha()]
+    if len(text.strip()) < min_chars or not letters:
+        return False
+    return sum(c.isascii() for c in letters) / len(letters) >= 0.95
+
+
+def select_prompts(conversations: List[List[Dict[str, str]]], encode, n_train: int, n_val: int, seed: int,
+                   max_prompt_tokens: int) -> Tuple[List[Tuple[int, List[int]]], List[Tuple[int, List[int]]]]:
+    """Shuffled, deduplicated English first-turn prompts that fit ``max_prompt_tokens``.
+
+    Returns ``(val, train)`` lists of ``(source_index, prompt_ids)``; the first ``n_val`` eligible
+    prompts of the shuffled order are held out, the next ``n_train`` are for training.
+    """
+    order = list(range(len(conversations)))
+    random.Random(seed).shuffle(order)
+    seen, picked = set(), []
+    for i in order:
+        first = next((m["content"] for m in conversations[i] if m["role"] == "user"), "")
+        if first in seen or not is_english(first):
+            continue
+        seen.add(first)
+        ids = encode(first)
+        if len(ids) > max_prompt_tokens:
+            continue
+        picked.append((i, ids))
+        if len(picked) == n_val + n_train:
+            break
+    return picked[:n_val], picked[n_val:]
+
+
+def read_records(out: Path) -> List[dict]:
+    path = out / "records.jsonl"
+    if not path.exists():
+        return []
+    recs = []
+    for line in path.read_text().splitlines():
+        try:
+            recs.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line cut by a kill: everything after it is redone
+    return recs
+
+
+def load_examples(out, split: str, max_len: int = 0) -> List[Example]:
+    """The distilled examples of ``split`` in key order; ``max_len > 0`` truncates them."""
+    recs = sorted((r for r in read_records(Path(out)) if r["split"] == split), key=lambda r: r["key"])
+    examples = []
+    for r in recs:
+        ids = (r["prompt_ids"] + r["answer_ids"])[:-1]
+        mask = [0] * len(r["prompt_ids"]) + [1] * (len(r["answer_ids"]) - 1)
+        if max_len:
+            ids, mask = ids[:max_len], mask[:max_len]
+        examples.append(Example(torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.int64)))
+    return examples
+
+
+def distill(gen, conversations, out, n_train: int, n_val: int = 100, batch_size: int = 32,
+            max_new_tokens: int = 384, max_prompt_tokens: int = 384, seed: int = 0, progress: bool = True) -> dict:
+    """Generate (or continue) the on-policy data set in ``out``; returns the meta record."""
+    from tqdm import tqdm
+
+    from poss.train.features import FeatureCache
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    val, train = select_prompts(conversations, gen.encode, n_train, n_val, seed, max_prompt_tokens)
+    jobs = [(VAL_ID_OFFSET + k, "val", i, p) for k, (i, p) in enumerate(val)]
+    jobs += [(k, "train", i, p) for k, (i, p) in enumerate(train)]
+    done = {r["key"] for r in read_records(out)}
+    todo = [j for j in jobs if j[0] not in done]
+    cache = FeatureCache(out / "features" / "rank0", shard_mb=1 << 14)  # flushed once per batch
+    meta_path = out / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    recipe = {"target_fingerprint": gen.runner.fingerprint(), "dtype": str(gen.runner.dtype).replace("torch.", ""),
+              "seed": seed, "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
+              "n_train": len(train), "n_val": len(val), "prompt_source": "sharegpt first user turn, English",
+              "decoding": "greedy"}
+    if meta.get("recipe", recipe) != recipe:
+        raise ValueError(f"{out} holds a data set made with another recipe ({meta['recipe']}); use a new --out")
+    gen.keep_features = True
+    stats = meta.get("throughput", {"answer_tokens": 0, "seconds": 0.0})
+    bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="distill", unit="prompt", disable=not progress,
+               dynamic_ncols=True)
+    with open(out / "records.jsonl", "a") as f:
+        for s in range(0, len(todo), batch_size):
+            chunk = todo[s:s + batch_size]
+            t0 = time.perf_counter()
+            res = gen.generate([p for _, _, _, p in chunk], max_new_tokens=max_new_tokens)
+            stats["seconds"] += time.perf_counter() - t0
+            for (key, split, src, prompt), answer, st, feats in zip(chunk, res.token_ids, res.stats, res.features):
+                cache.put(key, feats)
+                stats["answer_tokens"] += len(answer)
+            cache.flush()  # features reach disk before the records that point at them
+            for (key, split, src, prompt), answer, st in zip(chunk, res.token_ids, res.stats):
+                f.write(json.dumps({"key": key, "split": split, "source_index": src, "prompt_ids": prompt,
+                                    "answer_ids": answer, "truncated": st.finish_reason == "length"}) + "\n")
+            f.flush()
+            stats["tokens_per_s"] = stats["answer_tokens"] / max(stats["seconds"], 1e-9)
+            meta = {"recipe": recipe, "throughput": stats}
+            meta_path.write_text(json.dumps(meta, indent=1))
+            bar.update(len(chunk))
+            bar.set_postfix_str(f"{stats['tokens_per_s']:.0f} answer tok/s, {stats['answer_tokens']} tokens")
+    bar.close()
+    return meta
+
+
+def add_distill_parser(sub):
+    import argparse
+
+    p = sub.add_parser("distill", help="write the target's own greedy answers (+ features) as draft-training data",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--target", default="smollm2-135m", help="registry name, HF folder or .gguf")
+    p.add_argument("--prompts", type=int, default=4000, help="training prompts")
+    p.add_argument("--val-prompts", type=int, default=100, help="held-out prompts (answered first)")
+    p.add_argument("--out", required=True, help="data folder: records.jsonl, features/, meta.json")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=384)
+    p.add_argument("--max-prompt-tokens", type=int, default=384)
+    p.add_argument("--seed", type=int, default=0, help="prompt selection seed")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the dtype the target runs in at inference")
+    p.add_argument("--threads", type=int, default=None)
+    return p
+
+
+def run_distill(args) -> int:
+    for name in ("prompts", "val_prompts", "batch_size", "max_new_tokens", "max_prompt_tokens"):
+        if getattr(args, name) < (0 if name == "val_prompts" else 1):
+            print(f"poss distill: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}",
+                  file=sys.stderr)
+            return 2
+    import poss
+    from poss.train.data import load_sharegpt
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gen = poss.load(args.target, draft=None, dtype=getattr(torch, args.dtype))
+    convs = load_sharegpt()
+    meta = distill(gen, convs.messages, args.out, args.prompts, args.val_prompts, args.batch_size,
+                   args.max_new_tokens, args.max_prompt_tokens, args.seed)
+    print(json.dumps(meta, indent=1))
+    return 0
