@@ -102,7 +102,10 @@ def distill(gen, conversations, out, n_train: int, n_val: int = 100, batch_size:
     val, train = select_prompts(conversations, gen.encode, n_train, n_val, seed, max_prompt_tokens)
     jobs = [(VAL_ID_OFFSET + k, "val", i, p) for k, (i, p) in enumerate(val)]
     jobs += [(k, "train", i, p) for k, (i, p) in enumerate(train)]
-    done = {r["key"] for r in read_records(out)}
+    kept = read_records(out)
+    if kept:  # drop a line cut by a kill, so appended records start on a line of their own
+        (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    done = {r["key"] for r in kept}
     todo = [j for j in jobs if j[0] not in done]
     cache = FeatureCache(out / "features" / "rank0", shard_mb=1 << 14)  # flushed once per batch
     meta_path = out / "meta.json"

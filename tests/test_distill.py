@@ -1,0 +1,110 @@
+"""``poss distill``: on-policy records and features from the batched Generator, resumable."""
+
+import json
+
+import pytest
+import torch
+
+from loop_helpers import hf_greedy, make_generator, tiny_target
+from poss.train.distill import distill, is_english, load_examples, read_records, select_prompts
+from poss.train.features import FeatureCache
+from poss.train.loop import VAL_ID_OFFSET
+
+
+def conversations(n, vocab=300):
+    """Chat records whose first user turn is English text; prompts are its bytes folded into the vocab."""
+    words = ["alpha", "beta", "gamma", "delta", "kappa", "sigma", "omega", "theta"]
+    return [[{"role": "user", "content": f"please explain {words[i % 8]} number {i} in detail"},
+             {"role": "assistant", "content": "ok"}] for i in range(n)]
+
+
+def encoder(vocab=300):
+    """Text -> its bytes folded into the vocab; token ids pass through (as Generator.encode does)."""
+    return lambda p: list(p) if isinstance(p, list) else [b % vocab for b in p.encode()][:24]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_target()
+
+
+def test_is_english():
+    assert is_english("How do I sort a list in Python?")
+    assert not is_english("如何在Python中对列表进行排序？请详细说明")
+    assert not is_english("hi")
+
+
+def test_select_prompts_is_seeded_deduplicated_and_split():
+    convs = conversations(40) + conversations(5)  # the last five repeat earlier prompts
+    val, train = select_prompts(convs, encoder(), 20, 5, seed=3, max_prompt_tokens=100)
+    assert len(val) == 5 and len(train) == 20
+    firsts = [convs[i][0]["content"] for i, _ in val + train]
+    assert len(set(firsts)) == len(firsts)
+    assert (val, train) == select_prompts(convs, encoder(), 20, 5, seed=3, max_prompt_tokens=100)
+    assert select_prompts(convs, encoder(), 20, 5, seed=4, max_prompt_tokens=100)[0] != val
+    # a prompt over the token cap is never picked
+    _, short = select_prompts(convs, lambda t: [0] * len(t), 45, 0, seed=3, max_prompt_tokens=38)
+    assert all(len(p) <= 38 for _, p in short)
+
+
+def test_records_are_greedy_answers_with_their_features(model, tmp_path):
+    gen = make_generator(model)
+    gen.encode = encoder()
+    convs = conversations(12)
+    meta = distill(gen, convs, tmp_path, n_train=6, n_val=2, batch_size=4, max_new_tokens=12, progress=False)
+    recs = read_records(tmp_path)
+    assert [r["key"] for r in recs] == [VAL_ID_OFFSET, VAL_ID_OFFSET + 1, 0, 1, 2, 3, 4, 5]
+    assert meta["throughput"]["answer_tokens"] == sum(len(r["answer_ids"]) for r in recs)
+    cache = FeatureCache(tmp_path / "features" / "rank0")
+    for r in recs:
+        # the answer is the target's own greedy continuation (HF as the independent reference)
+        ref = hf_greedy(model, r["prompt_ids"], 12, eos_token_id=model.generation_config.eos_token_id)
+        assert r["answer_ids"] == ref
+        assert r["truncated"] == (len(ref) == 12 and ref[-1] != model.generation_config.eos_token_id)
+        # the stored features are those of a fresh forward over prompt + answer[:-1]
+        ids = r["prompt_ids"] + r["answer_ids"][:-1]
+        _, f = gen.runner.prefill([ids])
+        got = cache.get(r["key"]).float()
+        assert got.shape == (len(ids), gen.runner.hidden_size)
+        torch.testing.assert_close(got, f[0, : len(ids)].float(), atol=2e-3, rtol=2e-3)  # stored as fp16
+
+
+def test_examples_mask_the_answer(model, tmp_path):
+    gen = make_generator(model)
+    gen.encode = encoder()
+    distill(gen, conversations(8), tmp_path, n_train=3, n_val=1, batch_size=2, max_new_tokens=8, progress=False)
+    recs = {r["key"]: r for r in read_records(tmp_path)}
+    train = load_examples(tmp_path, "train")
+    assert len(train) == 3 and len(load_examples(tmp_path, "val")) == 1
+    for k, ex in enumerate(train):
+        r = recs[k]
+        P, n = len(r["prompt_ids"]), len(r["answer_ids"])
+        assert ex.input_ids.tolist() == (r["prompt_ids"] + r["answer_ids"])[:-1]
+        assert ex.loss_mask.tolist() == [0] * P + [1] * (n - 1)
+
+
+def test_resume_skips_done_keys_and_refuses_another_recipe(model, tmp_path):
+    gen = make_generator(model)
+    gen.encode = encoder()
+    convs = conversations(12)
+    distill(gen, convs, tmp_path, n_train=4, n_val=0, batch_size=2, max_new_tokens=6, progress=False)
+    lines = (tmp_path / "records.jsonl").read_text().splitlines()
+    # a kill mid-write: keep two whole records and half a line
+    (tmp_path / "records.jsonl").write_text("\n".join(lines[:2]) + "\n" + lines[2][:10])
+    calls = []
+    real = gen.generate
+    gen.generate = lambda prompts, **kw: calls.append(len(prompts)) or real(prompts, **kw)
+    distill(gen, convs, tmp_path, n_train=4, n_val=0, batch_size=2, max_new_tokens=6, progress=False)
+    assert calls == [2]  # only the two lost records were redone
+    keys = [r["key"] for r in read_records(tmp_path)]
+    assert sorted(keys) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="another recipe"):
+        distill(gen, convs, tmp_path, n_train=4, n_val=0, batch_size=2, max_new_tokens=7, progress=False)
+
+
+def test_meta_records_dtype(model, tmp_path):
+    gen = make_generator(model)
+    gen.encode = encoder()
+    distill(gen, conversations(4), tmp_path, n_train=2, n_val=0, batch_size=2, max_new_tokens=4, progress=False)
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta["recipe"]["dtype"] == "float32" and meta["recipe"]["decoding"] == "greedy"
