@@ -52,13 +52,16 @@ def tiny_target(vocab=300, layer_scale=0.1, seed=0, dtype=torch.float32, **over)
     return model.to(dtype)
 
 
-def random_draft(runner, n=1, ppl=1, seed=0, aligned=False):
+def random_draft(runner, n=1, ppl=1, seed=0, aligned=False, draft_vocab=0):
     """A randomly initialised PosS draft on ``runner``. ``aligned``: fc passes the token embedding
-    through and the specialists add little, so the draft guesses the target's bigram map."""
+    through and the specialists add little, so the draft guesses the target's bigram map.
+    ``draft_vocab = K``: a reduced draft vocabulary of K random token ids (seeded)."""
     cfg = DraftConfig.for_target(runner.config, "tiny", runner.fingerprint(), n_specialists=n,
-                                 positions_per_specialist=ppl, fc_bias=True)
+                                 positions_per_specialist=ppl, fc_bias=True, draft_vocab=draft_vocab)
     torch.manual_seed(seed)
     d = PosSDraft(cfg)
+    if draft_vocab:
+        d.token_map.copy_(torch.randperm(cfg.vocab)[:draft_vocab].sort().values)
     H = cfg.hidden
     with torch.no_grad():
         for name, p in d.named_parameters():

@@ -33,3 +33,87 @@ def test_inverse_map_round_trips():
 
 def test_coverage_counts_tokens_in_the_set():
     assert coverage(torch.tensor([1, 2]), [[1, 2, 3, 4], [1]]) == pytest.approx(3 / 5)
+
+
+# -- training with a reduced vocabulary --------------------------------------------------------------
+
+def _tiny_batch(token_map=None):
+    from poss.train.data import collate
+    from poss.train.features import OnlineFeatures
+    from poss.train.objective import make_batch
+    from train_tiny import tiny_examples, tiny_target
+
+    runner = tiny_target(max_batch=2, max_seq=48)
+    b = collate(tiny_examples(2))
+    f = OnlineFeatures(runner)(b["input_ids"], b["lengths"])
+    return runner, b, make_batch(b["input_ids"], b["loss_mask"], b["lengths"], f, runner.lm_head, token_map=token_map)
+
+
+def test_target_side_is_the_renormalised_restriction():
+    token_map = torch.arange(0, 128, 2)  # the even ids
+    runner, b, full = _tiny_batch()
+    _, _, red = _tiny_batch(token_map)
+    # the restricted distribution is the full one on the K ids, renormalised
+    want = full.target_p[:, token_map]
+    torch.testing.assert_close(red.target_p, want / want.sum(-1, keepdim=True), rtol=1e-5, atol=1e-6)
+    # a row leaves the classification loss exactly when its next data token x_{t+2} is odd (outside) or unknown
+    ids, lengths = b["input_ids"], b["lengths"]
+    B, L = ids.shape
+    want_keep = []
+    for i in range(B):
+        for t in range(L):
+            if red.row_mask[i, t]:
+                want_keep.append(t + 2 < int(lengths[i]) and int(ids[i, t + 2]) % 2 == 0)
+    assert red.ce_keep.tolist() == want_keep
+    assert (red.target_top1[~red.ce_keep] == -1).all()
+    # kept rows: top-1 is the reduced index of the target's top-1 among the even ids
+    kept = red.ce_keep
+    assert torch.equal(token_map[red.target_top1[kept]], token_map[want[kept].argmax(-1)])
+
+
+def test_left_out_rows_carry_no_loss_or_gradient():
+    from poss.train.objective import HeadDistillation
+
+    g0 = torch.Generator().manual_seed(2)
+    M, H, K = 9, 8, 20
+    gm = torch.randn(M, H, generator=g0, dtype=torch.float64, requires_grad=True)
+    head = torch.randn(K, H, generator=g0, dtype=torch.float64)
+    p = torch.softmax(torch.randn(M, K, generator=g0, dtype=torch.float64), -1)
+    keep = torch.tensor([1, 0, 1, 1, 0, 1, 1, 1, 0], dtype=torch.bool)
+    top1 = torch.where(keep, p.argmax(-1), torch.full((M,), -1))
+    loss, ce, _, correct = HeadDistillation.apply(gm, head, p, top1, keep, 0.1, 0.0, 4, 4)
+    loss.backward()
+    x = gm.detach().clone().requires_grad_()
+    ref = -(p[keep] * torch.log_softmax(x[keep] @ head.t(), -1)).sum()
+    (0.1 * ref).backward()
+    torch.testing.assert_close(gm.grad, x.grad)
+    assert (gm.grad[~keep] == 0).all()
+    torch.testing.assert_close(ce.double(), ref.detach(), rtol=1e-6, atol=1e-6)
+    assert int(correct) == int(((x @ head.t()).argmax(-1) == top1)[keep].sum())
+
+
+def test_trained_draft_keeps_its_token_map(tmp_path):
+    from poss.models.draft import PosSDraft
+    from poss.train.loop import Trainer, TrainConfig
+    from train_tiny import tiny_examples, tiny_target
+
+    torch.set_num_threads(1)
+    runner = tiny_target(max_batch=2)
+    token_map = torch.arange(0, 128, 2)
+    cfg = TrainConfig(method="eagle2", epochs=1, batch_size=2, lr=1e-3, autocast="none")
+    tr = Trainer(runner, cfg, tiny_examples(4), tiny_examples(2, seed=1), tmp_path / "e", target_name="tiny",
+                 progress_bar=False, token_map=token_map)
+    res = tr.fit()
+    assert res["finished"] and 0 <= res["val"]["acc"][0] <= 1
+    d = PosSDraft.load(tmp_path / "e" / "draft-fp16")
+    assert d.config.draft_vocab == 64 and torch.equal(d.token_map, token_map)
+    # HASS from it inherits the map
+    cfg2 = TrainConfig(method="hass", steps=2, epochs=1, batch_size=2, lr=1e-3, autocast="none")
+    tr2 = Trainer(runner, cfg2, tiny_examples(4), tiny_examples(2, seed=1), tmp_path / "h", target_name="tiny",
+                  progress_bar=False, init_from=str(tmp_path / "e" / "draft"))
+    assert torch.equal(tr2.draft.token_map, token_map)
+    # drafting scores K rows and maps back to full ids
+    d = d.attach_tensors(runner.embed, runner.lm_head, runner.inv_freq, 1, 16)
+    z = d.logits(torch.randn(3, runner.hidden_size))
+    assert z.shape == (3, 64)
+    assert set(d.full_ids(z.argmax(-1)).tolist()) <= set(range(0, 128, 2))

@@ -62,6 +62,19 @@ def test_greedy_matches_hf(target, reference, n, ppl, batch, aligned):
         assert max(k for s in stats for k, c in enumerate(s.accept_hist) if c) >= 2
 
 
+@pytest.mark.parametrize("draft_vocab", [150, 7])
+def test_reduced_vocabulary_draft_is_lossless(target, reference, draft_vocab):
+    """A draft that proposes only K of the 300 tokens: verification over the full vocabulary keeps
+    the output identical (with K = 7 most target tokens are outside the draft's reach)."""
+    gen = make_generator(target, draft=True, n=3, ppl=2, aligned=True, draft_vocab=draft_vocab)
+    got, stats = generate_batched(gen, PROMPTS, 8, top_k_draft=min(draft_vocab, 10))
+    assert_identical(got, reference)
+    drafted = gen.draft.token_map.tolist()
+    assert set(drafted) < set(range(300))
+    if draft_vocab == 150:
+        assert max(k for s in stats for k, c in enumerate(s.accept_hist) if c) >= 2
+
+
 def test_autoregressive_baseline_matches_hf(target, reference):
     gen = make_generator(target, draft=False)
     got, stats = generate_batched(gen, PROMPTS, 8)

@@ -72,10 +72,11 @@ def chi2_pvalue(counts, probs):
     return chisquare(f_obs.numpy(), f_exp.numpy()).pvalue
 
 
-@pytest.mark.parametrize("draft", [True, False], ids=["poss-n3", "autoregressive"])
-def test_first_three_tokens_follow_the_target(model, draft):
+@pytest.mark.parametrize("draft,draft_vocab", [(True, 0), (True, 8), (False, 0)],
+                         ids=["poss-n3", "poss-n3-draft-vocab-8", "autoregressive"])
+def test_first_three_tokens_follow_the_target(model, draft, draft_vocab):
     probs = exact_distribution(model)
-    gen = make_generator(model, draft=draft, n=3, ppl=1, aligned=True)
+    gen = make_generator(model, draft=draft, n=3, ppl=1, aligned=True, draft_vocab=draft_vocab)
     counts, accepted = sample(gen, calls=40, depth=3, num_nodes=12, top_k_draft=4)
     # Never a sequence the target cannot produce (top-p cut it).
     assert counts[probs == 0].sum() == 0

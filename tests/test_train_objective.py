@@ -142,7 +142,7 @@ def test_head_distillation_gradient_matches_autograd(topk_weight, chunk):
     head = torch.randn(V, H, generator=g0, dtype=torch.float64)
     p = torch.softmax(torch.randn(M, V, generator=g0, dtype=torch.float64) * 2, -1)
     top1 = p.argmax(-1)
-    loss, ce, tk, correct = HeadDistillation.apply(gm, head, p, top1, 0.1, topk_weight, 4, chunk)
+    loss, ce, tk, correct = HeadDistillation.apply(gm, head, p, top1, None, 0.1, topk_weight, 4, chunk)
     (loss * 3.0).backward()
     got = gm.grad.clone()
     x = gm.detach().clone().requires_grad_()

@@ -72,7 +72,7 @@ def draft_tree(draft, seq, depth: int, top_k: int, num_nodes: int) -> Tree:
     ran = {draft.specialist_for(1)}
     root_out = out.gather(1, last.view(B, 1, 1).expand(B, 1, H))
     score, token = draft_log_probs(draft, root_out).topk(K, dim=-1)  # [B, 1, K]
-    score, token = score.view(B, K), token.view(B, K)
+    score, token = score.view(B, K), draft.full_ids(token.view(B, K))
     cand_tokens, cand_scores = [token], [score]
     cand_parents = [torch.full((B, K), -1, dtype=torch.int32, device=dev)]
     frontier_idx = torch.arange(K, device=dev).expand(B, K)  # candidate index of each frontier node
@@ -88,7 +88,7 @@ def draft_tree(draft, seq, depth: int, top_k: int, num_nodes: int) -> Tree:
         ran.add(j)
         child_score, child_token = draft_log_probs(draft, out).topk(K, dim=-1)  # [B, K, K]
         cum = (child_score + score.unsqueeze(-1)).flatten(1)
-        child_token = child_token.flatten(1)
+        child_token = draft.full_ids(child_token.flatten(1))
         cand_tokens.append(child_token)
         cand_scores.append(cum)
         cand_parents.append(frontier_idx.to(torch.int32).repeat_interleave(K, dim=1))

@@ -71,6 +71,12 @@ class PosSDraft(nn.Module):
         self.config = config
         self.fc = nn.Linear(2 * config.hidden, config.hidden, bias=config.fc_bias)
         self.layers = nn.ModuleList(Specialist(config) for _ in range(config.n_specialists))
+        if config.draft_vocab:
+            # Reduced vocabulary: full-vocabulary ids of the K tokens the draft scores (saved with the weights).
+            self.register_buffer("token_map", torch.zeros(config.draft_vocab, dtype=torch.int64))
+        else:
+            self.token_map = None
+        self._head: Optional[Tensor] = None  # the lm_head rows the draft scores, cached at attach
         self._target = None  # (embed [V, H], lm_head [V, H], inv_freq [D/2]) borrowed from the target
         self.caches: Optional[StaticKVCache] = None
 
@@ -94,6 +100,7 @@ class PosSDraft(nn.Module):
         """:meth:`attach` without the target check: embed / lm_head ``[V, H]``, inv_freq ``[D/2] float32``."""
         ensure_tree_attention()
         self._target = (embed, lm_head, inv_freq)
+        self._head = self.head_rows(lm_head)
         p = next(self.parameters())
         self.caches = StaticKVCache(self.config.n_specialists, max_batch, self.config.kv_heads, max_seq,
                                     self.config.head_dim, p.dtype, p.device)
@@ -136,9 +143,21 @@ class PosSDraft(nn.Module):
         u = self.fc(torch.cat([e, features], -1))
         return self.layers[j](u, k[:B], v[:B], prefix_len, parents, positions, inv_freq)
 
+    def head_rows(self, lm_head: Tensor) -> Tensor:
+        """The rows of the target's ``lm_head [V, H]`` this draft scores: ``[K, H]`` (all V without a token map)."""
+        if self.token_map is None:
+            return lm_head
+        return lm_head.index_select(0, self.token_map.to(lm_head.device))
+
     def logits(self, out_features: Tensor) -> Tensor:
-        """Target lm_head over the specialist output (no norm in between): ``[..., V]``."""
-        return out_features @ self.target[1].t().to(out_features.dtype)
+        """Target lm_head over the specialist output (no norm in between): ``[..., K]`` over the draft
+        vocabulary (``K = V`` without a token map; map indices back with :meth:`full_ids`)."""
+        self.target  # noqa: B018  (raises when not attached)
+        return out_features @ self._head.t().to(out_features.dtype)
+
+    def full_ids(self, index: Tensor) -> Tensor:
+        """Full-vocabulary token ids of draft-vocabulary indices (identity without a token map)."""
+        return index if self.token_map is None else self.token_map[index]
 
     # -- persistence -----------------------------------------------------------------------------
     def save(self, directory) -> None:

@@ -28,6 +28,7 @@ class DraftConfig:
     n_specialists: int = 1
     positions_per_specialist: int = 1
     fc_bias: bool = True
+    draft_vocab: int = 0  # K > 0: the draft scores only K tokens (its ``token_map``); 0: the full vocabulary
     target_name: str = ""
     target_fingerprint: str = ""
     training: Dict = field(default_factory=dict)  # recipe + data fingerprint, written by poss.train
@@ -37,6 +38,8 @@ class DraftConfig:
             raise ValueError("n_specialists and positions_per_specialist must be >= 1")
         if self.heads % self.kv_heads:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if not 0 <= self.draft_vocab <= self.vocab:
+            raise ValueError(f"draft_vocab must be in [0, vocab={self.vocab}], got {self.draft_vocab}")
 
     def specialist_for(self, position: int) -> int:
         """Specialist index drafting 1-based draft position ``position``."""

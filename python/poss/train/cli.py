@@ -23,6 +23,10 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--train-size", type=int, default=1000, help="training conversations")
     p.add_argument("--val-size", type=int, default=100, help="held-out conversations (fixed by --data-seed)")
     p.add_argument("--data-seed", type=int, default=42)
+    p.add_argument("--data", default=None, metavar="DIR",
+                   help="train on a `poss distill` folder (on-policy answers with cached features) instead of ShareGPT")
+    p.add_argument("--draft-vocab", type=int, default=0, metavar="K",
+                   help="reduced draft vocabulary: the K most frequent answer tokens (0: the full vocabulary)")
     p.add_argument("--regenerate", action="store_true", help="use the target's greedy answers as assistant turns")
     p.add_argument("--regen-max-new-tokens", type=int, default=256)
     p.add_argument("--epochs", type=int, default=1)
@@ -67,6 +71,8 @@ def _prepare(args):
     dtype = torch.bfloat16
     tokenizer, hf = load_model(args.target, dtype=dtype, device=device)
     runner = TargetRunner(hf, max_batch=args.batch_size, max_seq=args.max_len, dtype=dtype)
+    if args.data:
+        return (info, runner) + _distilled(args, runner, tokenizer, hf)
 
     convs = load_sharegpt()
     if info.main:
@@ -108,7 +114,36 @@ def _prepare(args):
                  "skipped_unusable": convs.skipped_unusable, "train_size": args.train_size, "max_len": args.max_len,
                  "data_seed": args.data_seed,
                  "regenerated": args.regenerate, "train_tokens": sum(len(e.input_ids) for e in train_ex)}
-    return info, runner, train_ex, val_ex, fcache, data_info
+    return info, runner, train_ex, val_ex, fcache, data_info, _token_map(args, train_ex, tokenizer, hf)
+
+
+def _distilled(args, runner, tokenizer, hf):
+    """Splits, feature cache and data record of a `poss distill` folder (its features were made by the same run)."""
+    from poss.train.distill import load_examples
+
+    d = Path(args.data)
+    if not (d / "meta.json").is_file():
+        raise SystemExit(f"poss train: --data expects a `poss distill` folder with meta.json, got {args.data!r}")
+    meta = json.loads((d / "meta.json").read_text())
+    if meta["recipe"]["target_fingerprint"] != runner.fingerprint():
+        raise SystemExit(f"poss train: {args.data} was distilled from another target ({meta['recipe']['target_fingerprint']})")
+    train_ex = load_examples(d, "train", args.max_len)[: args.train_size]
+    val_ex = load_examples(d, "val", args.max_len)[: args.val_size]
+    data_info = {"source": "poss distill", **meta["recipe"], "train_size": len(train_ex), "max_len": args.max_len,
+                 "train_tokens": sum(len(e.input_ids) for e in train_ex)}
+    return train_ex, val_ex, str(d / "features"), data_info, _token_map(args, train_ex, tokenizer, hf)
+
+
+def _token_map(args, train_ex, tokenizer, hf):
+    """The reduced draft vocabulary from the training answers (end tokens always in), or None."""
+    if not args.draft_vocab:
+        return None
+    from poss.stopping import end_token_ids
+    from poss.train.draft_vocab import select_draft_vocab, token_counts
+
+    answers = [e.input_ids[e.loss_mask.bool()].tolist() for e in train_ex]
+    ends = end_token_ids(tokenizer, getattr(hf, "generation_config", None))
+    return select_draft_vocab(token_counts(answers), args.draft_vocab, hf.config.vocab_size, always=ends)
 
 
 def run_train(args) -> int:
@@ -121,7 +156,7 @@ def run_train(args) -> int:
     if args.validate is not None and not (Path(args.validate) / "config.json").is_file():
         print(f"poss train: --validate expects a draft folder with config.json, got {args.validate!r}", file=sys.stderr)
         return 2
-    info, runner, train_ex, val_ex, fcache, data_info = _prepare(args)
+    info, runner, train_ex, val_ex, fcache, data_info, token_map = _prepare(args)
     if args.validate is not None:
         from poss.train.validate import validate_draft
 
@@ -136,7 +171,8 @@ def run_train(args) -> int:
                       noise_std=args.noise_std, checkpoint_minutes=args.checkpoint_minutes, seed=args.seed,
                       max_batches=args.max_batches, autocast="bf16")
     trainer = Trainer(runner, cfg, train_ex, val_ex, args.out, target_name=args.target if isinstance(args.target, str) else "",
-                      init_from=args.init_from, feature_cache=fcache, info=info, data_info=data_info)
+                      init_from=args.init_from, feature_cache=fcache, info=info, data_info=data_info,
+                      token_map=token_map)
     if args.resume and trainer.resume() and info.main:
         print(f"resumed at step {trainer.progress['step']} (epoch {trainer.progress['epoch']})", file=sys.stderr)
     result = trainer.fit()

@@ -117,7 +117,7 @@ class CachedFeatures:
         r = self.online.runner
         out = torch.zeros(B, L, r.lm_head.shape[1], dtype=r.dtype, device=r.device)
         for b, i in enumerate(indices):
-            f = self.cache.get(i)
+            f = self.cache.get(i)[:L]  # a cache made for longer sequences (--max-len) serves truncated ones
             out[b, : f.shape[0]] = f.to(out.device, r.dtype)
         return out
 

@@ -74,18 +74,28 @@ class TrainConfig:
 
 
 def new_draft(runner: TargetRunner, cfg: TrainConfig, target_name: str, init_from: Optional[str] = None,
-              seed: int = 0) -> PosSDraft:
-    """A fresh draft shaped like the target; ``init_from`` copies a trained single-layer draft into every specialist."""
+              seed: int = 0, token_map: Optional[torch.Tensor] = None) -> PosSDraft:
+    """A fresh draft shaped like the target; ``init_from`` copies a trained single-layer draft into every specialist.
+
+    ``token_map [K] int64``: a reduced draft vocabulary (an ``init_from`` draft brings its own, which wins).
+    """
+    src = PosSDraft.load(init_from) if init_from else None
+    if src is not None and src.token_map is not None:
+        token_map = src.token_map
     dc = DraftConfig.for_target(runner.config, target_name, runner.fingerprint(),
-                                n_specialists=cfg.n_specialists, positions_per_specialist=cfg.ppl, fc_bias=True)
+                                n_specialists=cfg.n_specialists, positions_per_specialist=cfg.ppl, fc_bias=True,
+                                draft_vocab=0 if token_map is None else int(token_map.numel()))
     torch.manual_seed(seed)
     draft = PosSDraft(dc)
-    if init_from:
-        src = PosSDraft.load(init_from)
+    if token_map is not None:
+        draft.token_map.copy_(token_map)
+    if src is not None:
         if src.config.target_fingerprint and src.config.target_fingerprint != dc.target_fingerprint:
             raise ValueError(f"{init_from} was trained for another target ({src.config.target_name})")
         sd = src.state_dict()
         new = {k: v for k, v in sd.items() if k.startswith("fc.")}
+        if token_map is not None:
+            new["token_map"] = draft.token_map
         for j in range(dc.n_specialists):
             new.update({k.replace("layers.0.", f"layers.{j}.", 1): v for k, v in sd.items() if k.startswith("layers.0.")})
         draft.load_state_dict(new, strict=True)
@@ -120,7 +130,8 @@ def evaluate(draft, features, examples: Sequence[Example], ids: Sequence[int], c
         chunk = [examples[i] for i in mine[s:s + cfg.batch_size]]
         b = collate(chunk)
         f = features(b["input_ids"], b["lengths"], [ids[i] for i in mine[s:s + cfg.batch_size]])
-        batch = make_batch(b["input_ids"].to(f.device), b["loss_mask"].to(f.device), b["lengths"], f, runner.lm_head)
+        batch = make_batch(b["input_ids"].to(f.device), b["loss_mask"].to(f.device), b["lengths"], f, runner.lm_head,
+                           token_map=draft.token_map)
         for k, m in enumerate(run_steps(draft, batch, runner.embed, runner.lm_head, runner.inv_freq, obj,
                                         backward=False, autocast_dtype=ac)):
             M = float(m["count"])
@@ -144,13 +155,14 @@ class Trainer:
 
     def __init__(self, runner: TargetRunner, cfg: TrainConfig, train_examples: List[Example], val_examples: List[Example],
                  out_dir, target_name: str = "", init_from: Optional[str] = None, feature_cache: Optional[str] = None,
-                 info: DistInfo = DistInfo(), data_info: Optional[dict] = None, progress_bar: bool = True):
+                 info: DistInfo = DistInfo(), data_info: Optional[dict] = None, progress_bar: bool = True,
+                 token_map: Optional[torch.Tensor] = None):
         self.runner, self.cfg, self.info = runner, cfg, info
         self.train, self.val = train_examples, val_examples
         self.out = Path(out_dir)
         self.progress_bar = progress_bar and info.main
         self.features = make_features(runner, feature_cache, info.rank)
-        self.draft = new_draft(runner, cfg, target_name, init_from, cfg.seed).to(runner.device)
+        self.draft = new_draft(runner, cfg, target_name, init_from, cfg.seed, token_map).to(runner.device)
         broadcast_parameters(self.draft, info)
         self.params = [p for p in self.draft.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
@@ -202,7 +214,7 @@ class Trainer:
         f = self.features(b["input_ids"], b["lengths"], list(idx))
         dev = f.device
         batch = make_batch(b["input_ids"].to(dev), b["loss_mask"].to(dev), b["lengths"], f, self.runner.lm_head,
-                           self.cfg.noise_std if noise else 0.0)
+                           self.cfg.noise_std if noise else 0.0, token_map=self.draft.token_map)
         ac = torch.bfloat16 if self.cfg.autocast == "bf16" else None
         return run_steps(self.draft, batch, self.runner.embed, self.runner.lm_head, self.runner.inv_freq,
                          self.cfg.objective(), backward=True, autocast_dtype=ac)

@@ -84,15 +84,23 @@ class Batch:
     features: Tensor  # f_t (noise added on the train split)
     target: Tensor  # f_{t+1}
     row_mask: Tensor  # bool: row t is trained (x_{t+1} is an assistant token and f_{t+1} exists)
-    target_p: Tensor  # [M, V] float32 softmax of lm_head(f_{t+1}) at the M masked rows
-    target_top1: Tensor  # [M] int64 argmax of the same logits
+    target_p: Tensor  # [M, K] float32 softmax of lm_head(f_{t+1}) at the M masked rows (K = V, or the draft vocabulary)
+    target_top1: Tensor  # [M] int64 argmax of the same logits; -1 where the target token is outside the draft vocabulary
+    ce_keep: Optional[Tensor] = None  # [M] bool: rows in the classification loss (None: all)
 
 
 def make_batch(input_ids: Tensor, loss_mask: Tensor, lengths: Tensor, features: Tensor, lm_head: Tensor,
-               noise_std: float = 0.0, generator: Optional[torch.Generator] = None) -> Batch:
+               noise_std: float = 0.0, generator: Optional[torch.Generator] = None,
+               token_map: Optional[Tensor] = None) -> Batch:
     """Build the shifted batch from right-padded ``[B, L]`` tokens/mask, ``lengths [B]`` and features ``[B, L, H]``.
 
-    ``noise_std > 0`` adds EAGLE's uniform noise scaled by 512 / L per sample."""
+    ``noise_std > 0`` adds EAGLE's uniform noise scaled by 512 / L per sample.
+
+    ``token_map [K] int64`` (a reduced draft vocabulary): the target side is computed over those K
+    lm_head rows only (its distribution restricted to them and renormalised); the target token of
+    row t is the data's ``x_{t+2}`` (on-policy data: the target's own greedy choice), and rows whose
+    token is outside the K, or unknown (the last row), leave the classification loss and count as
+    misses in the accuracy."""
     B, L = input_ids.shape
     zero = torch.zeros(B, 1, dtype=input_ids.dtype, device=input_ids.device)
     tokens = torch.cat([input_ids[:, 1:], zero], 1)
@@ -105,9 +113,19 @@ def make_batch(input_ids: Tensor, loss_mask: Tensor, lengths: Tensor, features: 
         feats = (features.float() + (u - 0.5) * scale).to(features.dtype)
     with torch.no_grad():
         t = target[row_mask]
-        z = t @ lm_head.t().to(t.dtype)
+        head = lm_head if token_map is None else lm_head.index_select(0, token_map.to(lm_head.device))
+        z = t @ head.t().to(t.dtype)
         target_p = torch.softmax(z.float(), -1)
-    return Batch(tokens, feats, target, row_mask, target_p, z.argmax(-1))
+        if token_map is None:
+            return Batch(tokens, feats, target, row_mask, target_p, z.argmax(-1))
+        from poss.train.draft_vocab import inverse_map
+
+        inv = inverse_map(token_map.to(input_ids.device), lm_head.shape[0])
+        nxt = torch.cat([input_ids[:, 2:], torch.zeros(B, 2, dtype=input_ids.dtype, device=input_ids.device)], 1)
+        known = torch.arange(L, device=input_ids.device).view(1, L) + 2 < lengths.to(input_ids.device).view(B, 1)
+        red = torch.where(known, inv[nxt], torch.full_like(nxt, -1))[row_mask]
+        top1 = torch.where(red >= 0, z.argmax(-1), red)
+    return Batch(tokens, feats, target, row_mask, target_p, top1, red >= 0)
 
 
 class HeadDistillation(torch.autograd.Function):
@@ -123,8 +141,8 @@ class HeadDistillation(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, g: Tensor, head: Tensor, p: Tensor, top1: Tensor, p_weight: float, topk_weight: float,
-                topk: int, chunk: int):
+    def forward(ctx, g: Tensor, head: Tensor, p: Tensor, top1: Tensor, keep: Optional[Tensor], p_weight: float,
+                topk_weight: float, topk: int, chunk: int):
         need = ctx.needs_input_grad[0]
         acc = torch.promote_types(g.dtype, torch.float32)  # fp32 logits for bf16 inputs
         w = head.to(g.dtype)
@@ -146,9 +164,10 @@ class HeadDistillation(torch.autograd.Function):
             ez = z.sub_(zmax).exp_()  # z is consumed: exp(z - max)
             sumexp = ez.sum(-1, keepdim=True)
             lse = zmax + sumexp.log()
-            ce += (lse.squeeze(-1) - pz).sum().double()
+            kw = None if keep is None else keep[s:e].to(acc).unsqueeze(-1)  # rows left out of the loss: 0
+            ce += ((lse.squeeze(-1) - pz) if kw is None else (lse.squeeze(-1) - pz) * kw.squeeze(-1)).sum().double()
             if topk_weight > 0:
-                tk += -(tp * (tz - lse)).sum().double()
+                tk += -(tp * (tz - lse) * (1 if kw is None else kw)).sum().double()
             if need:
                 # softmax = ez / sumexp; d/dz = p_w (softmax - p) + topk_w (sum(p_K) softmax - p_K)
                 if topk_weight > 0:
@@ -157,6 +176,8 @@ class HeadDistillation(torch.autograd.Function):
                     dz.sub_(pc, alpha=p_weight)
                 else:
                     dz = ez.div_(sumexp).sub_(pc).mul_(p_weight)
+                if kw is not None:
+                    dz.mul_(kw)
                 grad_g[s:e] = (dz.to(w.dtype) @ w).to(acc)
         ctx.save_for_backward(grad_g)
         ctx.g_dtype = g.dtype
@@ -167,7 +188,7 @@ class HeadDistillation(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, *unused):
         (grad_g,) = ctx.saved_tensors
-        return (grad_g * grad_loss).to(ctx.g_dtype), None, None, None, None, None, None, None
+        return (grad_g * grad_loss).to(ctx.g_dtype), None, None, None, None, None, None, None, None
 
 
 def step_losses(g: Tensor, batch: Batch, lm_head: Tensor, obj: Objective) -> Dict[str, Tensor]:
@@ -178,8 +199,8 @@ def step_losses(g: Tensor, batch: Batch, lm_head: Tensor, obj: Objective) -> Dic
     tm = batch.target[m].to(gm.dtype)
     denom = M.float() + 1e-5
     vloss = F.smooth_l1_loss(gm.float(), tm.float(), reduction="none").mean(-1).sum() / denom
-    head_loss, ce, tk, correct = HeadDistillation.apply(gm, lm_head, batch.target_p, batch.target_top1, obj.p_weight,
-                                                        obj.topk_weight, obj.topk, obj.chunk)
+    head_loss, ce, tk, correct = HeadDistillation.apply(gm, lm_head, batch.target_p, batch.target_top1, batch.ce_keep,
+                                                        obj.p_weight, obj.topk_weight, obj.topk, obj.chunk)
     loss = obj.v_weight * vloss + head_loss / denom
     out = {"vloss": vloss.detach(), "ploss": ce / denom, "correct": correct, "count": M}
     if obj.topk_weight > 0:
@@ -199,6 +220,7 @@ def run_steps(draft: PosSDraft, batch: Batch, embed: Tensor, lm_head: Tensor, in
     c = draft.config
     B, L = batch.tokens.shape
     dev = batch.features.device
+    lm_head = draft.head_rows(lm_head)  # [K, H]: the rows the draft scores
     cos, sin = rope_tables(inv_freq.to(dev), L, torch.float32)
     levels = [batch.features]
     out = []
