@@ -18,8 +18,9 @@ def main(argv=None) -> int:
     cli_generate.add_arguments(sub.add_parser("chat", help="interactive multi-turn chat"), chat=True)
     add_train_parser(sub)
     add_distill_parser(sub)
-    for name in ("eval",):
-        sub.add_parser(name, help=f"{name} (not available yet in this version)")
+    from poss.eval.cli import add_eval_parser
+
+    add_eval_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "generate":
         return cli_generate.cmd_generate(args)
@@ -34,6 +35,10 @@ def main(argv=None) -> int:
         from poss.train.cli import run_train
 
         return run_train(args)
+    if args.command == "eval":
+        from poss.eval.cli import run_eval
+
+        return run_eval(args)
     if args.command == "distill":
         from poss.train.distill import run_distill
 

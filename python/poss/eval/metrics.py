@@ -1,0 +1,67 @@
+"""The speculative-decoding metrics of the PosS paper, from per-turn accept histograms.
+
+``accept_hist[a]`` counts the verify rounds that accepted ``a`` draft tokens (so each such round
+produced ``a + 1`` tokens: the accepted ones plus the target's bonus token).
+
+- **tau** (mean acceptance length, bonus token counted): per question, the mean over its rounds of
+  ``a + 1``; then the mean over questions.
+- **pos-acc(n)**: among rounds that accepted at least ``n - 1`` draft tokens, the share that
+  accepted at least ``n``; pooled over the rounds of a dataset (or of all datasets).
+- **speedup**: a method's tokens per second over the autoregressive loop's, on the same prompts.
+"""
+
+from typing import Dict, List, Sequence
+
+
+def add_hists(hists: Sequence[Sequence[int]]) -> List[int]:
+    """Element-wise sum of histograms of possibly different lengths."""
+    n = max((len(h) for h in hists), default=0)
+    out = [0] * n
+    for h in hists:
+        for a, c in enumerate(h):
+            out[a] += c
+    return out
+
+
+def tau_of(hist: Sequence[int]) -> float:
+    """Mean tokens per round (accepted + 1) of one histogram; NaN without rounds."""
+    rounds = sum(hist)
+    return sum((a + 1) * c for a, c in enumerate(hist)) / rounds if rounds else float("nan")
+
+
+def mean_tau(question_hists: Sequence[Sequence[int]]) -> float:
+    """tau averaged over questions (each question's rounds pooled over its turns first)."""
+    taus = [tau_of(h) for h in question_hists if sum(h)]
+    return sum(taus) / len(taus) if taus else float("nan")
+
+
+def pos_acc(hist: Sequence[int], depth: int) -> List[float]:
+    """``[pos-acc(1), ..., pos-acc(depth)]``; NaN where no round reached ``n - 1``."""
+    out = []
+    for n in range(1, depth + 1):
+        reached = sum(hist[n - 1:])
+        out.append(sum(hist[n:]) / reached if reached else float("nan"))
+    return out
+
+
+def speedup(tokens: int, seconds: float, base_tokens: int, base_seconds: float) -> float:
+    """Throughput ratio ``(tokens / seconds) / (base_tokens / base_seconds)``."""
+    if seconds <= 0 or base_tokens <= 0 or base_seconds <= 0:
+        return float("nan")
+    return (tokens / seconds) / (base_tokens / base_seconds)
+
+
+def summarize(questions: Sequence[Dict], depth: int) -> Dict:
+    """Aggregate of one method on one dataset. Each question is ``{"turns": [turn, ...]}`` with a
+    turn ``{"tokens", "seconds", "accept_hist", "draft_s", "verify_s", "commit_s"}``."""
+    turns = [t for q in questions for t in q["turns"]]
+    qh = [add_hists([t["accept_hist"] for t in q["turns"]]) for q in questions]
+    hist = add_hists(qh)
+    rounds = sum(hist)
+    secs = sum(t["seconds"] for t in turns)
+    return {"questions": len(questions), "turns": len(turns), "tokens": sum(t["tokens"] for t in turns),
+            "seconds": secs, "rounds": rounds, "tau": mean_tau(qh), "accept_hist": hist,
+            "pos_acc": pos_acc(hist, depth),
+            "draft_ms_per_round": 1e3 * sum(t.get("draft_s", 0.0) for t in turns) / max(rounds, 1),
+            "verify_ms_per_round": 1e3 * sum(t.get("verify_s", 0.0) for t in turns) / max(rounds, 1),
+            "commit_ms_per_round": 1e3 * sum(t.get("commit_s", 0.0) for t in turns) / max(rounds, 1)}

@@ -1,0 +1,159 @@
+"""``results.json``, ``table.md``, ``pos_acc.png`` and ``tau.png`` from an eval's ``records.jsonl``."""
+
+import json
+import math
+import platform
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from poss.eval.metrics import add_hists, mean_tau, pos_acc, speedup, summarize
+
+
+def _machine(threads: Optional[int], dtype: str) -> Dict:
+    import torch
+
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": model, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "threads": threads or torch.get_num_threads(), "dtype": dtype, "torch": torch.__version__}
+
+
+def build(records: List[dict], depth: int, settings: Dict, threads=None, dtype="float32", extra=None) -> Dict:
+    """Per method and dataset: the summary (:func:`summarize`), speedup over ``ar``, and
+    losslessness (greedy turns token-identical to ``ar``'s)."""
+    methods: Dict[str, Dict] = {}
+    for r in records:
+        m = methods.setdefault(r["method"], {"draft": r.get("draft"), "datasets": {}, "questions": {}})
+        m["datasets"].setdefault(r["dataset"], []).append(r)
+    ar = methods.get("ar")
+    ar_ids = {(r["dataset"], r["question_id"]): [t["token_ids"] for t in r["turns"]]
+              for rs in (ar["datasets"].values() if ar else []) for r in rs}
+    out = {"settings": settings, "machine": _machine(threads, dtype), "methods": {}}
+    for name, m in methods.items():
+        per = {ds: summarize(rs, depth) for ds, rs in m["datasets"].items()}
+        allq = [r for rs in m["datasets"].values() for r in rs]
+        overall = summarize(allq, depth)
+        for ds, s in list(per.items()) + [("overall", overall)]:
+            base = (ar and (summarize(ar["datasets"].get(ds, []), depth) if ds != "overall"
+                            else summarize([r for rs in ar["datasets"].values() for r in rs], depth)))
+            s["speedup"] = speedup(s["tokens"], s["seconds"], base["tokens"], base["seconds"]) if base else math.nan
+        same = total = 0
+        if settings.get("temperature", 0) == 0 and ar_ids:
+            for r in allq:
+                want = ar_ids.get((r["dataset"], r["question_id"]))
+                if want is not None:
+                    total += 1
+                    same += [t["token_ids"] for t in r["turns"]] == want
+        entry = {"draft": m["draft"], "datasets": per, "overall": overall, "identical": [same, total]}
+        entry.update((extra or {}).get(name, {}))
+        out["methods"][name] = entry
+    return out
+
+
+def _fmt(x: float, nd=2) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+
+
+def table(results: Dict) -> str:
+    """The paper's layout: methods as rows; tau and speedup per dataset and their mean."""
+    methods = results["methods"]
+    sets = sorted({ds for m in methods.values() for ds in m["datasets"]})
+    head = "| method | " + " | ".join(f"{ds} tau | {ds} speedup" for ds in sets) + " | mean tau | mean speedup | identical |"
+    lines = [head, "|" + "---|" * (2 * len(sets) + 4)]
+    for name, m in methods.items():
+        cells = []
+        taus, sps = [], []
+        for ds in sets:
+            s = m["datasets"].get(ds)
+            t = s["tau"] if s and name not in ("ar", "hf") else float("nan")
+            sp = s["speedup"] if s else float("nan")
+            cells += [_fmt(t), _fmt(sp) + ("×" if not math.isnan(sp) else "")]
+            taus.append(t)
+            sps.append(sp)
+        mt = sum(taus) / len(taus) if taus and not any(math.isnan(x) for x in taus) else float("nan")
+        ms = sum(sps) / len(sps) if sps and not any(math.isnan(x) for x in sps) else float("nan")
+        same, total = m["identical"]
+        ident = f"{same}/{total}" if total and name != "ar" else "–"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {_fmt(mt)} | {_fmt(ms)}× | {ident} |")
+    lines.append("")
+    lines.append("tau counts the bonus token (accepted draft tokens + 1 per round); speedup is tokens/s over our "
+                 "autoregressive loop (`ar`) on the same runner, prompts, dtype and threads.")
+    lines.append("")
+    lines.append("| method | rounds | draft ms/round | verify ms/round | total s | draft MB | " +
+                 " | ".join(f"pos-acc {n}" for n in range(1, results["settings"]["depth"] + 1)) + " |")
+    lines.append("|" + "---|" * (6 + results["settings"]["depth"]))
+    for name, m in methods.items():
+        o = m["overall"]
+        pa = o["pos_acc"] if name not in ("ar", "hf") else [float("nan")] * results["settings"]["depth"]
+        lines.append(f"| {name} | {o['rounds']} | {_fmt(o['draft_ms_per_round'], 1)} | {_fmt(o['verify_ms_per_round'], 1)} "
+                     f"| {_fmt(o['seconds'], 1)} | {_fmt(m.get('draft_params_mb', float('nan')), 1)} | "
+                     + " | ".join(_fmt(x) for x in pa) + " |")
+    mach = results["machine"]
+    s = results["settings"]
+    lines.append("")
+    lines.append(f"Machine: {mach['cpu']} ({mach['cpu_capability']}), {mach['threads']} threads, {mach['dtype']}, "
+                 f"torch {mach['torch']}. Settings: {s}.")
+    return "\n".join(lines) + "\n"
+
+
+def plots(results: Dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drafts = {n: m for n, m in results["methods"].items() if n not in ("ar", "hf")}
+    depth = results["settings"]["depth"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, m in drafts.items():
+        ax.plot(range(1, depth + 1), m["overall"]["pos_acc"], marker="o", label=name)
+    ax.set_xlabel("draft position n")
+    ax.set_ylabel("pos-acc(n)")
+    ax.set_title("Position-wise acceptance (all datasets)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "pos_acc.png", dpi=120)
+    plt.close(fig)
+
+    sets = sorted({ds for m in drafts.values() for ds in m["datasets"]})
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(sets) + 2), 4))
+    w = 0.8 / max(len(drafts), 1)
+    for i, (name, m) in enumerate(drafts.items()):
+        ax.bar([x + i * w for x in range(len(sets))], [m["datasets"][ds]["tau"] if ds in m["datasets"] else 0
+                                                       for ds in sets], w, label=name)
+    ax.set_xticks([x + w * (len(drafts) - 1) / 2 for x in range(len(sets))], sets)
+    ax.set_ylabel("tau (tokens per round, bonus counted)")
+    ax.set_title("tau per dataset")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "tau.png", dpi=120)
+    plt.close(fig)
+
+
+def write(out, depth: int, settings: Dict, threads=None, dtype="float32", make_plots: bool = True) -> Dict:
+    """Read ``out/records.jsonl`` and write ``results.json`` (records included), ``table.md`` and the plots."""
+    from poss.eval.run import read_done
+
+    out = Path(out)
+    records = list(read_done(out / "records.jsonl").values())
+    extra = {}
+    for p in out.glob("draft-*.json"):
+        info = json.loads(p.read_text())
+        extra[info["method"]] = {"draft_params_mb": info["draft_params_mb"]}
+    results = build(records, depth, settings, threads, dtype, extra)
+    results["records"] = records
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "table.md").write_text(table(results))
+    if make_plots and any(n not in ("ar", "hf") for n in results["methods"]):
+        plots(results, out)
+    return results
+
+
+__all__ = ["add_hists", "build", "mean_tau", "plots", "pos_acc", "table", "write"]

@@ -1,0 +1,133 @@
+"""Answer every question of the chosen sets with each method, timed per turn, resumable.
+
+A method is the autoregressive loop (``ar``: our runner with no draft, the speedup baseline), a
+draft folder (speculative decoding on the same runner), or ``hf`` (``transformers`` ``generate``,
+greedy, as the external reference). Multi-turn questions (MT-Bench) ask turn 2 after the method's
+own answer to turn 1. Each finished question is appended to ``records.jsonl``, so an interrupted
+run resumes at the next question.
+"""
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional
+
+import torch
+
+
+@dataclass
+class Settings:
+    max_new_tokens: int = 512
+    num_nodes: int = 60
+    depth: int = 6
+    top_k: int = 10  # beam width of the draft tree
+    temperature: float = 0.0
+    seed: int = 0
+
+
+def method_name(draft: Optional[str]) -> str:
+    """``ar``, ``hf``, or the draft folder's name (its run folder's for ``RUN/draft`` and ``RUN/draft-fp16``)."""
+    if draft is None or draft == "hf":
+        return draft or "ar"
+    p = Path(draft)
+    return p.parent.name if p.name in ("draft", "draft-fp16") else p.name
+
+
+def read_done(path: Path) -> Dict[tuple, dict]:
+    """``(method, dataset, question_id) -> record`` of the questions already answered."""
+    done = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill
+            done[(r["method"], r["dataset"], r["question_id"])] = r
+    return done
+
+
+class HFMethod:
+    """``transformers`` greedy ``generate`` behind the small interface :func:`answer` uses."""
+
+    def __init__(self, gen, model):
+        self.tokenizer, self.model, self.encode = gen.tokenizer, model, gen.encode
+        self.end_ids = sorted(gen.end_ids)
+
+    @torch.inference_mode()
+    def turn(self, messages, s: Settings) -> dict:
+        ids = torch.tensor([self.encode(messages)])
+        t0 = time.perf_counter()
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=s.max_new_tokens,
+                                  do_sample=False, eos_token_id=self.end_ids, pad_token_id=self.end_ids[0])
+        dt = time.perf_counter() - t0
+        new = out[0, ids.shape[1]:].tolist()
+        return {"tokens": len(new), "rounds": len(new), "accept_hist": [len(new)], "seconds": dt,
+                "text": self.tokenizer.decode(new, skip_special_tokens=True), "token_ids": new}
+
+
+def poss_turn(gen, messages, s: Settings) -> dict:
+    """One turn with our generator (``gen.draft`` None: autoregressive), with the round phases timed."""
+    gen.profile = {}
+    t0 = time.perf_counter()
+    res = gen.generate(messages, s.max_new_tokens, temperature=s.temperature, num_nodes=s.num_nodes,
+                       depth=s.depth, top_k_draft=s.top_k, seed=s.seed)
+    dt = time.perf_counter() - t0
+    prof, gen.profile = gen.profile, None
+    st = res.stats[0]
+    return {"tokens": st.tokens, "rounds": st.rounds, "accept_hist": list(st.accept_hist), "seconds": dt,
+            "draft_s": sum(prof.get("draft", [])), "verify_s": sum(prof.get("verify", [])),
+            "commit_s": sum(prof.get("commit", [])), "text": res.texts[0], "token_ids": res.token_ids[0]}
+
+
+def answer(method, record: dict, s: Settings) -> List[dict]:
+    """Every turn of one question; turn k is asked after the method's own answers to turns < k."""
+    messages, turns = [], []
+    for text in record["turns"]:
+        messages.append({"role": "user", "content": text})
+        t = method.turn(messages, s) if isinstance(method, HFMethod) else poss_turn(method, messages, s)
+        turns.append(t)
+        messages.append({"role": "assistant", "content": t["text"]})
+    return turns
+
+
+def evaluate(target: str, drafts: Iterable[Optional[str]], datasets: Dict[str, List[dict]], out, s: Settings,
+             dtype=torch.float32, limit: Optional[int] = None, progress: bool = True) -> Path:
+    """Run every method over every dataset (the first ``limit`` questions of each); returns the
+    ``records.jsonl`` path. ``drafts`` holds None (ar), "hf", or draft folders."""
+    import poss
+    from tqdm import tqdm
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "records.jsonl"
+    done = read_done(path)
+    with open(path, "a") as f:
+        for d in drafts:
+            name = method_name(d)
+            gen = poss.load(target, draft=None if d in (None, "hf") else d, dtype=dtype)
+            if d == "hf":
+                from poss.models.registry import load_model
+
+                method = HFMethod(gen, load_model(target, dtype=dtype)[1])
+            else:
+                method = gen
+            warm = False
+            for ds, records in datasets.items():
+                todo = [r for r in records[:limit] if (name, ds, r["question_id"]) not in done]
+                if not todo:
+                    continue
+                if not warm:  # first-call costs (allocation, thread pools) stay out of the timings
+                    answer(method, {"turns": ["Hello"]}, Settings(max_new_tokens=8, num_nodes=s.num_nodes,
+                                                                 depth=s.depth, top_k=s.top_k))
+                    warm = True
+                for r in tqdm(todo, desc=f"{name} {ds}", disable=not progress, dynamic_ncols=True):
+                    rec = {"method": name, "draft": None if d in (None, "hf") else str(d), "dataset": ds,
+                           "question_id": r["question_id"], "turns": answer(method, r, s)}
+                    f.write(json.dumps(rec) + "\n")
+                    f.flush()
+            if gen.draft is not None:
+                info = {"method": name, "draft_params_mb": sum(p.numel() * p.element_size()
+                                                               for p in gen.draft.parameters()) / 2 ** 20}
+                (out / f"draft-{name}.json").write_text(json.dumps(info))
+    return path

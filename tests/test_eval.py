@@ -1,0 +1,104 @@
+"""``poss eval``: the metrics against a hand-computed example, and an end-to-end run on a tiny model."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from poss.eval.metrics import mean_tau, pos_acc, speedup, summarize, tau_of
+
+
+def test_metrics_by_hand():
+    # Question A: rounds accepting 0, 2, 2, 3 draft tokens -> hist [1, 0, 2, 1]: tau = (1 + 3 + 3 + 4) / 4 = 2.75
+    # Question B: rounds accepting 1, 1 -> hist [0, 2]: tau = 2
+    a, b = [1, 0, 2, 1], [0, 2]
+    assert tau_of(a) == 2.75 and tau_of(b) == 2.0
+    assert mean_tau([a, b]) == pytest.approx((2.75 + 2.0) / 2)  # per question, then the mean
+    # pooled hist [1, 2, 2, 1]: 6 rounds reached 0; 5 accepted >= 1; 3 accepted >= 2; 1 accepted >= 3
+    assert pos_acc([1, 2, 2, 1], 4) == [5 / 6, 3 / 5, 1 / 3, 0.0]  # the one round reaching position 4 stopped there
+    assert math.isnan(pos_acc([3, 0, 0], 3)[1])  # no round accepted position 1, so position 2 was never tried
+    assert speedup(200, 10.0, 100, 10.0) == 2.0
+
+
+def test_summarize_pools_turns_then_questions():
+    q1 = {"turns": [{"tokens": 5, "seconds": 1.0, "accept_hist": [1, 0, 1]},  # turn 1: 1 + 3 tokens
+                    {"tokens": 2, "seconds": 1.0, "accept_hist": [0, 1]}]}  # turn 2: 2 tokens
+    q2 = {"turns": [{"tokens": 3, "seconds": 2.0, "accept_hist": [3]}]}
+    s = summarize([q1, q2], depth=2)
+    assert s["accept_hist"] == [4, 1, 1] and s["rounds"] == 6
+    assert s["tau"] == pytest.approx(((1 + 3 + 2) / 3 + 1.0) / 2)
+    assert s["tokens"] == 10 and s["seconds"] == 4.0 and s["turns"] == 3
+
+
+# -- end to end on a tiny model ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """A tiny random Llama saved as an HF folder with a ChatML byte tokenizer, plus two random drafts."""
+    from loop_helpers import random_draft, tiny_target
+    from poss.models.target import TargetRunner
+    from train_tiny import byte_tokenizer
+
+    root = tmp_path_factory.mktemp("eval")
+    model = tiny_target(vocab=300)
+    tok = byte_tokenizer()
+    model.generation_config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
+    model.save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    runner = TargetRunner(model, max_batch=1, max_seq=64)
+    for name, n, vocab in (("eagle", 1, 0), ("poss-k", 3, 150)):
+        random_draft(runner, n=n, ppl=1, aligned=True, draft_vocab=vocab).save(root / name)
+    return root
+
+
+def jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_eval_end_to_end(tiny_folder, tmp_path):
+    from poss.cli import main
+
+    torch.set_num_threads(1)
+    data = jsonl(tmp_path / "mini.jsonl", [{"question_id": i, "turns": [f"say {i}", "and again"]} for i in range(3)])
+    out = tmp_path / "out"
+    def argv(limit):
+        return ["eval", "--target", str(tiny_folder / "target"), "--drafts", str(tiny_folder / "eagle"),
+                str(tiny_folder / "poss-k"), "--datasets", "none", "--dataset", str(data), "--limit", str(limit),
+                "--max-new-tokens", "12", "--num-nodes", "10", "--depth", "3", "--top-k", "3", "--out", str(out)]
+
+    assert main(argv(2)) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert set(res["methods"]) == {"ar", "eagle", "poss-k"}
+    for name in ("eagle", "poss-k"):
+        m = res["methods"][name]
+        assert m["identical"] == [2, 2]  # lossless: every greedy answer equals the AR loop's
+        assert m["datasets"]["mini"]["questions"] == 2 and m["datasets"]["mini"]["turns"] == 4
+        assert m["overall"]["tau"] >= 1.0 and len(m["overall"]["pos_acc"]) == 3
+        assert m["draft_params_mb"] > 0
+    recs = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert len(recs) == 6 and all(len(r["turns"]) == 2 for r in recs)
+    # the metrics in results.json are those of the records
+    eag = [r for r in recs if r["method"] == "eagle"]
+    hist = [sum(col) for col in zip(*[t["accept_hist"] for r in eag for t in r["turns"]])]
+    assert res["methods"]["eagle"]["overall"]["accept_hist"] == hist
+    table = (out / "table.md").read_text()
+    assert "| eagle |" in table and "2/2" in table
+    assert (out / "pos_acc.png").stat().st_size > 0 and (out / "tau.png").stat().st_size > 0
+
+    # resume: nothing left to do, the records are not duplicated
+    assert main(argv(2)) == 0
+    assert len((out / "records.jsonl").read_text().splitlines()) == 6
+    # one more question: only it is answered
+    assert main(argv(3)) == 0
+    assert len((out / "records.jsonl").read_text().splitlines()) == 9
+
+
+@pytest.mark.parametrize("bad,msg", [(["--limit", "0"], "--limit"), (["--temperature", "-1"], "--temperature"),
+                                     (["--drafts", "nowhere"], "--drafts"), (["--datasets", "nope"], "--datasets")])
+def test_eval_bad_arguments(bad, msg, tmp_path, capsys):
+    from poss.cli import main
+
+    assert main(["eval", "--out", str(tmp_path)] + bad) == 2
+    assert msg in capsys.readouterr().err
