@@ -1,0 +1,95 @@
+"""What this machine is good at: the CPU's SIMD and bf16 support, the dtype to run in, the memory
+bandwidth a decode step is bound by, and a one-line header for every benchmark.
+
+Machines differ: some CPUs have AMX / AVX512-BF16 (bf16 GEMMs several times faster than fp32),
+others only AVX2 (where bf16 is converted in software and is slower than fp32). ``dtype="auto"``
+picks bf16 only where it is fast.
+"""
+
+import functools
+import platform
+import time
+from pathlib import Path
+from typing import Dict, FrozenSet, Union
+
+import torch
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> FrozenSet[str]:
+    """The CPU feature flags of ``/proc/cpuinfo`` (empty where it cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_has_fast_bf16(flags: FrozenSet[str] = None) -> bool:
+    """AMX-BF16 or AVX512-BF16: bf16 GEMMs run in hardware (oneDNN uses them)."""
+    flags = cpu_flags() if flags is None else flags
+    return bool({"amx_bf16", "avx512_bf16"} & flags)
+
+
+def resolve_dtype(dtype: Union[str, torch.dtype], device: Union[str, torch.device] = "cpu") -> torch.dtype:
+    """``"auto"``: bf16 on CUDA and on CPUs with fast bf16, else fp32; names and torch dtypes pass through.
+
+    Raises ``ValueError`` naming ``dtype`` for anything else.
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype must be float32, bfloat16, float16 or 'auto', got {dtype}")
+        return dtype
+    if dtype == "auto":
+        if torch.device(device).type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    if dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype must be one of 'auto', {', '.join(repr(k) for k in DTYPES)}, got {dtype!r}")
+
+
+def read_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
+    """Measured memory read bandwidth (GB/s): the best of ``repeats`` sums over a buffer far larger
+    than the caches, the way a decode step streams its weights."""
+    x = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32)
+    x.sum()  # touch every page before timing
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
+def describe(dtype: Union[str, torch.dtype, None] = None, threads: int = None) -> Dict:
+    """The facts every benchmark header states."""
+    flags = cpu_flags()
+    simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return {"cpu": cpu_model(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "simd": simd, "fast_bf16": cpu_has_fast_bf16(flags), "threads": threads or torch.get_num_threads(),
+            "dtype": str(dtype).replace("torch.", "") if dtype is not None else None, "torch": torch.__version__}
+
+
+def header(dtype=None, threads: int = None) -> str:
+    """One line: CPU model, SIMD, bf16 support, threads and dtype."""
+    d = describe(dtype, threads)
+    bf16 = "fast bf16 (AMX/AVX512-BF16)" if d["fast_bf16"] else "no hardware bf16"
+    s = f"{d['cpu']} ({d['torch_cpu_capability']}; {bf16}), {d['threads']} threads"
+    return s + (f", {d['dtype']}" if d["dtype"] else "")
