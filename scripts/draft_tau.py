@@ -59,7 +59,7 @@ def main(argv=None) -> int:
         tau = sum((k + 1) * c for k, c in enumerate(hist)) / rounds
         rows.append((str(d), tau, alphas(hist), rounds, time.perf_counter() - t0))
         print(f"{d}: tau {tau:.2f} over {rounds} rounds", file=sys.stderr)
-    print(f"| draft | tau | " + " | ".join(f"alpha_{k}" for k in range(1, a.depth + 1)) + " | rounds |")
+    print("| draft | tau | " + " | ".join(f"alpha_{k}" for k in range(1, a.depth + 1)) + " | rounds |")
     print("|---|---|" + "---|" * a.depth + "---|")
     for name, tau, al, rounds, _ in rows:
         print(f"| {name} | {tau:.2f} | " + " | ".join(f"{x:.2f}" for x in al) + f" | {rounds} |")

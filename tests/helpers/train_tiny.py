@@ -5,7 +5,6 @@
 """
 
 import argparse
-import os
 from pathlib import Path
 
 import torch
