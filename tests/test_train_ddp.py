@@ -20,6 +20,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # ~40 s: two torchrun processes
 def test_two_process_gradients_are_averaged(tmp_path):
     env = child_env(OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",

@@ -93,6 +93,7 @@ def _state(out):
     return torch.load(Path(out) / "trainer_state.pt", weights_only=False)
 
 
+@pytest.mark.slow  # ~35 s: a training child process killed and resumed
 def test_kill_and_resume_loses_at_most_one_interval_and_matches_an_uninterrupted_run(tmp_path):
     ref = make_trainer(tmp_path / "ref", n_train=8, batch_size=2, epochs=2)
     ref.fit()
