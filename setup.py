@@ -117,7 +117,11 @@ setup(
     + find_packages("python", include=["poss", "poss.*"])
     + DRAFT_PACKAGE,
     package_dir={"poss": "python/poss", **{p: "drafts" for p in DRAFT_PACKAGE}},
-    package_data={p: ["*/config.json", "*/model.safetensors", "*/README.md"] for p in DRAFT_PACKAGE},
+    package_data={
+        # The six eval prompt sets, their license and data card (poss.data.load_eval_set reads them).
+        "poss.data": ["eval/*.jsonl", "eval/LICENSE", "eval/README.md"],
+        **{p: ["*/config.json", "*/model.safetensors", "*/README.md"] for p in DRAFT_PACKAGE},
+    },
     ext_modules=[EXT],
     cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},
 )

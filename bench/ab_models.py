@@ -8,16 +8,13 @@ Run: ``PYTHONPATH=.:python python bench/ab_models.py [--threads 1] [--target]``
 """
 
 import argparse
-import os
-import sys
 import time
 
+import bench_models as bm  # beside this script, which Python puts first on sys.path
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import bench_models as bm  # noqa: E402
-from poss.models.draft import PosSDraft  # noqa: E402
-from poss.models.draft_config import DraftConfig  # noqa: E402
+from poss.models.draft import PosSDraft
+from poss.models.draft_config import DraftConfig
 
 
 def timings(fns, blocks, per_block=5):

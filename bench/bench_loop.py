@@ -10,23 +10,18 @@ pytest form:    PYTHONPATH=.:python pytest bench/bench_loop.py --benchmark-only 
 """
 
 import argparse
-import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-EVAL = Path("/work/shared/data/eval")
+from poss.data import EVAL_SETS, load_eval_set
 
 
 def eval_texts(n):
-    sets = sorted(EVAL.glob("*.jsonl"))
-    lines = [json.loads(l) for f in sets for l in list(open(f))[:2]]
-    return [l["turns"][0] for l in lines][:n]
+    """The first turns of the first two questions of each packaged eval set, the first ``n`` of them."""
+    records = [r for name in sorted(EVAL_SETS) for r in load_eval_set(name)[:2]]
+    return [r["turns"][0] for r in records][:n]
 
 
 def random_draft(gen, n, ppl, seed=0):
@@ -83,7 +78,7 @@ def main(argv=None):
     gen.draft = None
     # The same loop on a tiny random Llama (hidden 256, 2 layers, vocab 300): the math is negligible,
     # so its round time is the orchestration cost (Python + op dispatch) the real rounds carry too.
-    from loop_helpers import make_generator, tiny_target
+    from poss.testing import make_generator, tiny_target
 
     tiny = make_generator(tiny_target(), draft=True, n=3, ppl=2)
     torch.set_num_threads(args.threads)
@@ -104,7 +99,7 @@ def main(argv=None):
 # -- pytest-benchmark form: one round of the loop on a tiny model ---------------------------------
 
 def test_loop_round_tiny(benchmark):
-    from loop_helpers import eval_prompts, make_generator, tiny_target
+    from poss.testing import eval_prompts, make_generator, tiny_target
 
     gen = make_generator(tiny_target(), draft=True, n=3, ppl=2, aligned=True)
     gen.end_ids = set()

@@ -14,3 +14,10 @@ def bench_threads():
     torch.set_num_threads(int(os.environ.get("POSS_BENCH_THREADS", "1")))
     yield
     torch.set_num_threads(before)
+
+
+def pytest_configure(config):
+    """``--benchmark-json out/x.json`` writes into a folder that a fresh clone does not have: create it."""
+    path = config.getoption("benchmark_json", None)
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

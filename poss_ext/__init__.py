@@ -4,9 +4,11 @@ Importing this package loads ``poss_ext._C`` (which registers the ops), the fake
 fallbacks for devices without compiled kernels.
 """
 
-from poss_ext._loader import load_library as _load_library
+from poss_ext import _loader
 
-_C = _load_library()
+# A source checkout without a built _C defers to the installed poss_ext (see _loader.package_dir).
+__path__[:] = [_loader.package_dir(__path__[0])]
+_C = _loader.load_library(__path__[0])
 
 from poss_ext import ops, reference  # noqa: E402
 from poss_ext.ops import build_tree, kv_compact, tree_attention, tree_verify  # noqa: E402

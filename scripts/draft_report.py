@@ -1,7 +1,7 @@
 """Compare trained drafts over the same draft depth, plot it, and ship drafts with model cards.
 
-    python scripts/draft_report.py /work/runs                       # table + docs/img/draft_step_accuracy.png
-    python scripts/draft_report.py /work/runs --ship eagle2 hass poss2   # also copy them into drafts/
+    python scripts/draft_report.py runs                        # table + docs/img/draft_step_accuracy.png
+    python scripts/draft_report.py runs --ship eagle2 hass poss2   # also copy them into drafts/
 
 For every ``RUN/draft-fp16`` written by ``poss train`` (the fp16 copy is what ships) this runs
 ``poss train --validate`` over ``--steps`` draft positions on the run's own validation split (same data
@@ -142,7 +142,8 @@ def ship(d: dict, run: Path, dest: Path, steps: int) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("runs", nargs="?", default="/work/runs", help="folder of poss train run directories")
+    ap.add_argument("runs", nargs="?", default="runs",
+                    help="folder of poss train run directories (scripts/train_smollm2_drafts.sh's RUNS)")
     ap.add_argument("--steps", type=int, default=6, help="draft positions to score (the paper's 6)")
     ap.add_argument("--plot", default=str(ROOT / "docs" / "img" / "draft_step_accuracy.png"))
     ap.add_argument("--ship", nargs="*", default=[], help="run names to copy into --dest with a model card")

@@ -3,20 +3,16 @@
     python scripts/draft_tau.py drafts/eagle2 drafts/hass drafts/poss2 --sets mt_bench gsm8k --prompts 4
 
 For each draft, generates greedily for the first ``--prompts`` first-turn prompts of each eval set
-(``../shared/data/eval``) and reports tau (tokens per verify round) and, per draft position k, the
-acceptance rate alpha_k = P(round accepts >= k tokens | it accepted >= k-1), the per-position metric
-of the PosS paper. Every draft's output is checked to be token-identical to plain decoding.
+(the sets packaged in ``poss.data``, or JSONL files of the same form) and reports tau (tokens per
+verify round) and, per draft position k, the acceptance rate
+alpha_k = P(round accepts >= k tokens | it accepted >= k-1), the per-position metric of the PosS paper. Every draft's output is checked to be token-identical to plain decoding.
 """
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 import torch
-
-EVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
 
 
 def alphas(hist):
@@ -34,20 +30,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("drafts", nargs="+", help="draft folders")
     ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--sets", nargs="+", default=["mt_bench", "gsm8k"])
+    ap.add_argument("--sets", nargs="+", default=["mt_bench", "gsm8k"],
+                    help="packaged eval set names (poss.data.EVAL_SETS) or JSONL files with 'turns'")
     ap.add_argument("--prompts", type=int, default=4, help="prompts per set")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--num-nodes", type=int, default=60)
     ap.add_argument("--depth", type=int, default=6)
-    ap.add_argument("--eval-dir", default=str(EVAL))
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    texts = []
-    for name in a.sets:
-        with open(Path(a.eval_dir) / f"{name}.jsonl") as f:
-            texts += [json.loads(line)["turns"][0] for _, line in zip(range(a.prompts), f)]
+    from poss.data import load_eval_set
+
+    texts = [r["turns"][0] for name in a.sets for r in load_eval_set(name)[:a.prompts]]
     base = poss.load(a.target)
     prompts = [base.encode(t) for t in texts]
     want = [base.generate(p, a.max_new_tokens).token_ids[0] for p in prompts]
@@ -64,7 +59,7 @@ def main(argv=None) -> int:
         tau = sum((k + 1) * c for k, c in enumerate(hist)) / rounds
         rows.append((str(d), tau, alphas(hist), rounds, time.perf_counter() - t0))
         print(f"{d}: tau {tau:.2f} over {rounds} rounds", file=sys.stderr)
-    print(f"| draft | tau | " + " | ".join(f"alpha_{k}" for k in range(1, a.depth + 1)) + " | rounds |")
+    print("| draft | tau | " + " | ".join(f"alpha_{k}" for k in range(1, a.depth + 1)) + " | rounds |")
     print("|---|---|" + "---|" * a.depth + "---|")
     for name, tau, al, rounds, _ in rows:
         print(f"| {name} | {tau:.2f} | " + " | ".join(f"{x:.2f}" for x in al) + f" | {rounds} |")

@@ -3,8 +3,12 @@
 # Every run is resumable: re-running this script continues each unfinished run from its last
 # checkpoint (written every CKPT_MIN minutes) and skips finished ones (RUNS/<name>/draft/ exists).
 #
-#   nohup scripts/train_smollm2_drafts.sh > /work/runs/driver.log 2>&1 &     # all, in order
-#   scripts/train_smollm2_drafts.sh eagle2                                    # only some
+#   mkdir -p runs && nohup scripts/train_smollm2_drafts.sh > runs/driver.log 2>&1 &   # all, in order
+#   scripts/train_smollm2_drafts.sh eagle2                                              # only some
+#   RUNS=DIR PY=PYTHON scripts/train_smollm2_drafts.sh                                  # elsewhere, another Python
+#
+# RUNS (default runs/ in the repo root) holds one folder per run; PY (default: the python on PATH)
+# must have poss's dependencies; the source tree is put first on PYTHONPATH.
 #
 # Budget (measured on the shared, busy 2-core dev machine, bs 1, max_len 1024):
 # EAGLE-2 ~450-900 tok/s with cached features (~100 on the first pass, which also fills the feature
@@ -15,8 +19,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-RUNS=${RUNS:-/work/runs}
-PY=${PY:-/work/venv/bin/python}
+RUNS=${RUNS:-runs}
+PY=${PY:-python}
 TRAIN_SIZE=${TRAIN_SIZE:-440}
 VAL_SIZE=${VAL_SIZE:-50}
 MAX_LEN=${MAX_LEN:-1024}

@@ -1,6 +1,6 @@
 import pytest
 
-from devices import HAS_CUDA_KERNELS
+from helpers.devices import HAS_CUDA_KERNELS
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import poss_ext
 from poss_ext import reference
-from devices import devices
+from helpers.devices import devices
 
 # ---------------------------------------------------------------------------------------------
 # Candidate beams generated the way the EAGLE-2 draft (topK_genrate) generates them.

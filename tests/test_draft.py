@@ -9,7 +9,7 @@ import poss_ext
 from poss.models.draft import PosSDraft
 from poss.models.draft_config import DraftConfig
 from poss.models.target import TargetRunner, chain_parents
-from test_target_runner import tiny_model
+from helpers.targets import tiny_model
 
 TOL = {torch.float32: 2e-4, torch.bfloat16: 4e-2}
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import poss_ext
 from poss_ext import reference
-from devices import devices
+from helpers.devices import devices
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

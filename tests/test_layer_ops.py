@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import poss_ext  # noqa: F401
-from devices import devices
+from helpers.devices import devices
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -9,8 +9,8 @@ with the loop. Both feed their candidates to ``build_tree``; the trees must be t
 import pytest
 import torch
 
-from loop_helpers import eval_prompts, make_generator, tiny_target
-from loop_helpers import single_thread  # noqa: F401  (autouse: one CPU thread)
+from helpers.loop import eval_prompts, make_generator, tiny_target
+from helpers.loop import single_thread  # noqa: F401  (autouse: one CPU thread)
 from poss.draft_tree import draft_tree
 from poss.models.kv_cache import StaticKVCache
 from poss.models.target import chain_parents

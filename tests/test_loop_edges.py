@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from loop_helpers import ByteTokenizer, eval_prompts, hf_greedy, make_generator, tiny_target
-from loop_helpers import single_thread  # noqa: F401  (autouse: one CPU thread)
+from helpers.loop import ByteTokenizer, eval_prompts, hf_greedy, make_generator, tiny_target
+from helpers.loop import single_thread  # noqa: F401  (autouse: one CPU thread)
 from poss.generator import Generator
 
 PROMPTS = eval_prompts(1, max_len=24)

@@ -9,8 +9,8 @@ often, so long accepted paths, KV compaction and the specialists' catch-up are e
 import pytest
 import torch
 
-from loop_helpers import eval_prompts, hf_greedy, make_generator, tiny_target
-from loop_helpers import single_thread  # noqa: F401  (autouse: one CPU thread)
+from helpers.loop import eval_prompts, hf_greedy, make_generator, tiny_target
+from helpers.loop import single_thread  # noqa: F401  (autouse: one CPU thread)
 
 NEW = 128
 PROMPTS = eval_prompts(n_per_set=4)

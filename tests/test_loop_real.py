@@ -3,13 +3,12 @@ draft (3 specialists) is token-identical to ``transformers`` greedy generation, 
 prompts from the eval sets, as a ragged batch. Kept to ~2 minutes on a 2-core CPU: 4 prompts x 48
 tokens and a small tree (the 24-prompt x 128-token check runs on the tiny model, test_loop_greedy)."""
 
-import json
 
 import pytest
 import torch
 
-from loop_helpers import EVAL
-from loop_helpers import single_thread  # noqa: F401  (autouse: one CPU thread)
+from poss.data import load_eval_set
+from helpers.loop import single_thread  # noqa: F401  (autouse: one CPU thread)
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +39,7 @@ def test_load_gives_the_documented_generator(gen):
 def test_real_smollm2_greedy_matches_hf(gen):
     from transformers import AutoModelForCausalLM
 
-    texts = [json.loads(open(EVAL / f"{name}.jsonl").readline())["turns"][0] for name in ("gsm8k", "humaneval", "qa", "mt_bench")]
+    texts = [load_eval_set(name)[0]["turns"][0] for name in ("gsm8k", "humaneval", "qa", "mt_bench")]
     prompts = [gen.encode(t) for t in texts]
     assert len({len(p) for p in prompts}) == 4  # ragged
     res = gen.generate(prompts, NEW)  # the default tree: 60 nodes, depth 6, top-k 10

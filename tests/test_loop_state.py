@@ -4,8 +4,8 @@ every specialist's draft KV cache, and the target features the draft consumes.""
 import pytest
 import torch
 
-from loop_helpers import eval_prompts, make_generator, tiny_target
-from loop_helpers import single_thread  # noqa: F401  (autouse: one CPU thread)
+from helpers.loop import eval_prompts, make_generator, tiny_target
+from helpers.loop import single_thread  # noqa: F401  (autouse: one CPU thread)
 from poss.forward import specialist_step
 from poss.models.kv_cache import StaticKVCache
 from poss.models.target import chain_parents

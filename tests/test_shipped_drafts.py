@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from loop_helpers import EVAL
-from loop_helpers import single_thread  # noqa: F401  (autouse: one CPU thread)
+from poss.data import load_eval_set
+from helpers.loop import single_thread  # noqa: F401  (autouse: one CPU thread)
 
 from poss.api import DRAFTS_DIR, shipped_draft
 
@@ -42,7 +42,7 @@ def test_default_shipped_draft_is_lossless_and_accepted():
     assert folder is not None and "poss" in folder.name  # a PosS draft is preferred when one ships
     gen = poss.load("smollm2-135m", draft=folder)
     ar = poss.load("smollm2-135m")
-    texts = [json.loads(open(EVAL / f"{name}.jsonl").readline())["turns"][0] for name in ("gsm8k", "mt_bench")]
+    texts = [load_eval_set(name)[0]["turns"][0] for name in ("gsm8k", "mt_bench")]
     prompts = [gen.encode(t) for t in texts]
     spec = gen.generate(prompts, 40)
     base = ar.generate(prompts, 40)

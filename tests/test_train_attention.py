@@ -33,7 +33,7 @@ def test_matches_dense_masked_forward_and_backward(k, L, rep, B, seed):
 
 
 def test_masks_match_the_reference_pattern():
-    # poss-algorithm.md §2.4: for F=3, level 0 is tril shifted down by 2, levels 1/2 are eye shifted by 1/0.
+    # docs/algorithm.md §2.4: for F=3, level 0 is tril shifted down by 2, levels 1/2 are eye shifted by 1/0.
     m = align_masks(2, 6)
     L = 6
     assert torch.equal(m[0], torch.ones(L, L, dtype=torch.bool).tril(-2))

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from train_tiny import byte_tokenizer
+from helpers.train_tiny import byte_tokenizer
 from poss.train.data import (Example, build_split, collate, data_fingerprint, parse_truncated_array, split_indices,
                              to_messages, tokenize_conversation)
 

@@ -15,8 +15,8 @@ from poss.models.draft import PosSDraft
 from poss.train.features import CachedFeatures, FeatureCache, OnlineFeatures
 from poss.train.data import collate
 from poss.train.loop import evaluate
-from child_env import child_env
-from train_tiny import make_trainer, tiny_examples, tiny_target
+from helpers.child_env import child_env
+from helpers.train_tiny import make_trainer, tiny_examples, tiny_target
 
 HERE = Path(__file__).resolve().parent
 
@@ -93,11 +93,12 @@ def _state(out):
     return torch.load(Path(out) / "trainer_state.pt", weights_only=False)
 
 
+@pytest.mark.slow  # ~35 s: a training child process killed and resumed
 def test_kill_and_resume_loses_at_most_one_interval_and_matches_an_uninterrupted_run(tmp_path):
     ref = make_trainer(tmp_path / "ref", n_train=8, batch_size=2, epochs=2)
     ref.fit()
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, str(HERE / "train_tiny.py"), str(out), "--ckpt-minutes", "0", "--slow", "0.4"],
+    proc = subprocess.Popen([sys.executable, str(HERE / "helpers" / "train_tiny.py"), str(out), "--ckpt-minutes", "0", "--slow", "0.4"],
                             env=child_env(), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 120
     step = 0

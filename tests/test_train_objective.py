@@ -9,7 +9,7 @@ from poss.train.data import collate
 from poss.train.loop import TrainConfig, new_draft
 from poss.train.objective import Objective, make_batch, run_steps, step_losses
 from poss.train.features import OnlineFeatures
-from train_tiny import tiny_examples, tiny_target
+from helpers.train_tiny import tiny_examples, tiny_target
 
 
 @pytest.fixture(scope="module")

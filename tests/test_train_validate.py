@@ -6,7 +6,7 @@ import torch
 from poss.train.data import collate
 from poss.train.features import CachedFeatures, FeatureCache, OnlineFeatures
 from poss.train.validate import validate_draft
-from train_tiny import make_trainer, tiny_examples, tiny_target
+from helpers.train_tiny import make_trainer, tiny_examples, tiny_target
 
 
 @pytest.fixture(scope="module")

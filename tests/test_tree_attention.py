@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import poss_ext
 from poss_ext import reference
-from devices import devices
+from helpers.devices import devices
 
 TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
 

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 import poss_ext
 from poss_ext import reference
-from devices import devices
-from tree_cases import make_case, sampling_params
+from helpers.devices import devices
+from helpers.tree_cases import make_case, sampling_params
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

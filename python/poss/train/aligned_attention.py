@@ -5,7 +5,7 @@ At training step k (F = k + 1 feature levels) query row r sees
   * level l >= 1 (the draft's own detached predictions): exactly column ``r - (k - l)``.
 So the computation splits into one causal attention over level 0 plus k row-wise dot products,
 merged by log-sum-exp. Masked columns are excluded with -inf (the reference code's 0-logit leak,
-poss-algorithm.md §2.4, is deliberately not reproduced). :func:`naive_aligned_attention` is the dense
+docs/algorithm.md §2.4, is deliberately not reproduced). :func:`naive_aligned_attention` is the dense
 masked version the tests compare against.
 """
 

@@ -1,4 +1,4 @@
-"""One objective for EAGLE-2, HASS and PosS-n (poss-algorithm.md §2.3-2.4).
+"""One objective for EAGLE-2, HASS and PosS-n (docs/algorithm.md §2.3-2.4).
 
 A method is ``(steps, positions_per_specialist)``: EAGLE-2 = (1, 1), HASS = (3, n=1 specialist),
 PosS-n = (S, n). Step k runs specialist ``min(k // n, N - 1)`` over feature levels 0..k: level 0 is the
@@ -78,7 +78,7 @@ def specialist_levels(draft: PosSDraft, j: int, embeds: Tensor, levels: List[Ten
 
 @dataclass
 class Batch:
-    """Shifted training tensors (poss-algorithm.md §2.2), all ``[B, L, ...]``; row t pairs f_t with x_{t+1}."""
+    """Shifted training tensors (docs/algorithm.md §2.2), all ``[B, L, ...]``; row t pairs f_t with x_{t+1}."""
 
     tokens: Tensor  # x_{t+1}, int64
     features: Tensor  # f_t (noise added on the train split)

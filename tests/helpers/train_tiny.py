@@ -1,11 +1,10 @@
 """A tiny random target + synthetic data for the training tests; also a script (resume and torchrun tests).
 
-    python tests/train_tiny.py OUT [--max-batches N] [--resume] [--ckpt-minutes M] [--method ...]
-    torchrun --nproc_per_node 2 tests/train_tiny.py OUT --grad-dump   # gradient-averaging check
+    python tests/helpers/train_tiny.py OUT [--max-batches N] [--resume] [--ckpt-minutes M] [--method ...]
+    torchrun --nproc_per_node 2 tests/helpers/train_tiny.py OUT --grad-dump   # gradient-averaging check
 """
 
 import argparse
-import os
 from pathlib import Path
 
 import torch
@@ -15,8 +14,8 @@ from poss.train.data import Example  # noqa: E402
 
 
 def tiny_target(seed=0, dtype=torch.float32, max_batch=2, max_seq=48):
-    """A runner on loop_helpers' random Llama, made smaller (vocab 128, hidden 128) for training tests."""
-    from loop_helpers import tiny_target as random_llama
+    """A runner on poss.testing's random Llama, made smaller (vocab 128, hidden 128) for training tests."""
+    from poss.testing import tiny_target as random_llama
 
     model = random_llama(vocab=128, layer_scale=1.0, seed=seed, hidden_size=128, intermediate_size=96,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,

@@ -1,31 +1,16 @@
-"""Tiny random targets and drafts for the loop tests, plus the independent references they use."""
+"""Tiny random models for tests, benchmarks and examples: a random HF Llama target, a random PosS draft
+on it, a :class:`Generator` over both, and byte-level prompts from the packaged eval sets.
 
-import json
-from functools import lru_cache
-from pathlib import Path
+Nothing here is trained: the models run the real code paths in milliseconds, without a download.
+"""
 
-import pytest
 import torch
 
+from poss.data.eval_sets import EVAL_SETS, load_eval_set
 from poss.generator import Generator
 from poss.models.draft import PosSDraft
 from poss.models.draft_config import DraftConfig
 from poss.models.target import TargetRunner
-
-EVAL = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "eval"
-if not EVAL.exists():
-    EVAL = Path("/work/shared/data/eval")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Loop tests run on one CPU thread: the tiny models' steps are microseconds of math, so more
-    OpenMP threads only add synchronisation (and spin-waits on a busy 2-core host cost several x)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-SETS = ("alpaca", "gsm8k", "humaneval", "mt_bench", "qa", "sum")
 
 
 def tiny_target(vocab=300, layer_scale=0.1, seed=0, dtype=torch.float32, **over):
@@ -77,6 +62,7 @@ def random_draft(runner, n=1, ppl=1, seed=0, aligned=False, draft_vocab=0):
 
 
 def make_generator(model, draft=None, dtype=None, **draft_kw):
+    """A :class:`Generator` on ``model`` (batch 1, 64 positions), with a :func:`random_draft` when ``draft``."""
     runner = TargetRunner(model, max_batch=1, max_seq=64, dtype=dtype)
     d = random_draft(runner, **draft_kw) if draft else None
     eos = model.generation_config.eos_token_id
@@ -86,32 +72,9 @@ def make_generator(model, draft=None, dtype=None, **draft_kw):
 def eval_prompts(n_per_set=4, max_len=48, vocab=300):
     """``6 * n_per_set`` prompts, ``n_per_set`` from each eval set, as UTF-8 bytes folded into the vocab."""
     out = []
-    for name in SETS:
-        lines = [json.loads(l) for l in open(EVAL / f"{name}.jsonl") if l.strip()]
+    for name in sorted(EVAL_SETS):
+        records = load_eval_set(name)
         for i in range(n_per_set):
-            text = lines[(17 * i + 3) % len(lines)]["turns"][0]
+            text = records[(17 * i + 3) % len(records)]["turns"][0]
             out.append([b % vocab for b in text.encode()][:max_len])
     return out
-
-
-def hf_greedy(model, prompt, max_new_tokens, **kw):
-    """``transformers`` greedy continuation of one prompt (end token included, as HF returns it)."""
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, num_beams=1, **kw)
-    return out[0, len(prompt):].tolist()
-
-
-class ByteTokenizer:
-    """A 256-token byte-level tokenizer (no chat template, no special tokens) for stop-string tests."""
-
-    eos_token_id = None
-    eos_token = None
-    chat_template = None
-
-    def get_vocab(self):
-        return {}
-
-    def decode(self, ids, skip_special_tokens=True):
-        return bytes(ids).decode("utf-8", errors="replace")

@@ -1,0 +1,8 @@
+"""Helpers of the test suite (imported as ``helpers.*``; ``tests/`` is on ``sys.path`` under pytest).
+
+- ``devices``: the devices a kernel test runs on; ``child_env``: the environment of a child process.
+- ``tree_cases``: random trees and sampling parameters for the op tests.
+- ``loop``: tiny models for the decoding-loop tests (from :mod:`poss.testing`) and HF references.
+- ``targets``: tiny random Llama / Qwen2 / Mistral models for the target-runner and draft tests.
+- ``train_tiny``: a tiny target and synthetic data for the training tests; also a script.
+"""

@@ -1,0 +1,40 @@
+"""Tiny random targets and drafts for the loop tests (from :mod:`poss.testing`), plus the independent
+references they use."""
+
+import pytest
+import torch
+
+from poss.testing import eval_prompts, make_generator, random_draft, tiny_target  # noqa: F401
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """Loop tests run on one CPU thread: the tiny models' steps are microseconds of math, so more
+    OpenMP threads only add synchronisation (and spin-waits on a busy 2-core host cost several x)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def hf_greedy(model, prompt, max_new_tokens, **kw):
+    """``transformers`` greedy continuation of one prompt (end token included, as HF returns it)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, num_beams=1, **kw)
+    return out[0, len(prompt):].tolist()
+
+
+class ByteTokenizer:
+    """A 256-token byte-level tokenizer (no chat template, no special tokens) for stop-string tests."""
+
+    eos_token_id = None
+    eos_token = None
+    chat_template = None
+
+    def get_vocab(self):
+        return {}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
