@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from loop_helpers import hf_greedy, make_generator, tiny_target
+from helpers.loop import hf_greedy, make_generator, tiny_target
 from poss.train.distill import distill, is_english, load_examples, read_records, select_prompts
 from poss.train.features import FeatureCache
 from poss.train.loop import VAL_ID_OFFSET
