@@ -40,6 +40,8 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--feature-cache", default=None, help="feature cache dir (default: under the poss cache)")
     p.add_argument("--max-batches", type=int, default=None, help="stop after this many optimizer steps")
     p.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="target features and mixed precision; auto: bf16 on CUDA or a CPU with AMX/AVX512-BF16, else fp32")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--validate", default=None, metavar="DRAFT",
@@ -68,7 +70,9 @@ def _prepare(args):
         torch.set_num_threads(args.threads)
     info = init_distributed(args.device)
     device = f"cuda:{info.local_rank}" if args.device.startswith("cuda") else args.device
-    dtype = torch.bfloat16
+    from poss.hardware import resolve_dtype
+
+    dtype = resolve_dtype(args.dtype, device)
     tokenizer, hf = load_model(args.target, dtype=dtype, device=device)
     runner = TargetRunner(hf, max_batch=args.batch_size, max_seq=args.max_len, dtype=dtype)
     if args.data:
@@ -147,6 +151,8 @@ def _token_map(args, train_ex, tokenizer, hf):
 
 
 def run_train(args) -> int:
+    import torch
+
     from poss.train.ddp import shutdown
     from poss.train.loop import Trainer, TrainConfig
 
@@ -169,7 +175,7 @@ def run_train(args) -> int:
     cfg = TrainConfig(method=args.method, steps=args.steps, positions_per_specialist=args.positions_per_specialist,
                       epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, topk_weight=args.topk_weight,
                       noise_std=args.noise_std, checkpoint_minutes=args.checkpoint_minutes, seed=args.seed,
-                      max_batches=args.max_batches, autocast="bf16")
+                      max_batches=args.max_batches, autocast="bf16" if runner.dtype == torch.bfloat16 else "none")
     trainer = Trainer(runner, cfg, train_ex, val_ex, args.out, target_name=args.target if isinstance(args.target, str) else "",
                       init_from=args.init_from, feature_cache=fcache, info=info, data_info=data_info,
                       token_map=token_map)
