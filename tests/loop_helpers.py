@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from poss.generator import Generator
+from poss.decode.generator import Generator
 from poss.models.draft import PosSDraft
 from poss.models.draft_config import DraftConfig
 from poss.models.target import TargetRunner

@@ -72,5 +72,5 @@ def test_autoregressive_baseline_matches_hf(target, reference):
 def test_depth_and_tree_size_variants(target, reference):
     gen = make_generator(target, draft=True, n=3, ppl=1, aligned=True)
     for depth, nodes, k in [(1, 4, 3), (3, 8, 2), (8, 40, 4)]:
-        got, _ = generate_batched(gen, PROMPTS[:6], 6, depth=depth, num_nodes=nodes, top_k_draft=k)
+        got, _ = generate_batched(gen, PROMPTS[:6], 6, depth=depth, num_nodes=nodes, beam_width=k)
         assert_identical(got, reference[:6])
