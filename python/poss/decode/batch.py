@@ -50,7 +50,6 @@ class BatchState:
     def __init__(self, requests: List[Request], hidden: int, capacity: int, feat_dtype, device, with_feats: bool):
         B = len(requests)
         self.requests = list(requests)
-        self.device = device
         self.ids = torch.zeros(B, capacity, dtype=torch.int64, device=device)
         self.feats = torch.zeros(B, capacity, hidden, dtype=feat_dtype, device=device) if with_feats else None
         self.length = [0] * B  # host mirror of length_dev

@@ -4,8 +4,8 @@ At training step k (F = k + 1 feature levels) query row r sees
   * level 0 (true features): columns ``j <= r - k`` -- causal attention shifted by k;
   * level l >= 1 (the draft's own detached predictions): exactly column ``r - (k - l)``.
 So the computation splits into one causal attention over level 0 plus k row-wise dot products,
-merged by log-sum-exp. Masked columns are excluded with -inf (the reference code's 0-logit leak,
-poss-algorithm.md §2.4, is deliberately not reproduced). :func:`naive_aligned_attention` is the dense
+merged by log-sum-exp. Masked columns are excluded with -inf (the published reference code lets them in with a 0 logit;
+that leak is deliberately not reproduced). :func:`naive_aligned_attention` is the dense
 masked version the tests compare against.
 """
 
