@@ -139,6 +139,8 @@ class Generator:
             raise ValueError("no prompts given")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if len(sampling) != len(prompts):
+            raise ValueError(f"{len(sampling)} sampling parameters for {len(prompts)} prompts")
         reqs = []
         for i, (p, sp) in enumerate(zip(prompts, sampling)):
             ids = self.encode(p)
