@@ -54,7 +54,7 @@ def main():
         for T in (1, 10, 60):
             a = bm.specialist_inputs(T)
             fns = {"fused": lambda: d.step(0, *a), "hf_layer": bm.hf_layer_step(d, T),
-                   "eager_packed": lambda: d.eager_step(0, *a)}
+                   "eager_packed": lambda: d.step(0, *a, eager=True)}
             report(f"threads={args.threads} specialist T={T}", timings(fns, 8), "fused")
     if args.target:
         from poss.models.registry import load_model

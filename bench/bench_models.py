@@ -82,7 +82,7 @@ def hf_layer_step(draft, T):
         layer(x, attention_mask=causal, position_ids=pos, cache=cache, use_cache=True,
               position_embeddings=rotary(x, pos))
     tokens, feats, positions, parents, _ = specialist_inputs(T)
-    from poss.models.attention import tree_ancestor_mask
+    from poss.models.tree import tree_ancestor_mask
 
     visible = torch.cat([torch.ones(1, T, PREFIX, dtype=torch.bool), tree_ancestor_mask(parents)], -1)
     mask = torch.zeros(1, 1, T, PREFIX + T).masked_fill(~visible.unsqueeze(1), float("-inf"))
@@ -104,7 +104,7 @@ def test_specialist_forward(benchmark, draft, impl, T):
     if impl == "fused":
         fn = lambda: draft.step(0, *args)  # noqa: E731
     elif impl == "eager_packed":
-        fn = lambda: draft.eager_step(0, *args)  # noqa: E731
+        fn = lambda: draft.step(0, *args, eager=True)  # noqa: E731
     else:
         fn = hf_layer_step(draft, T)
     benchmark.group = f"specialist T={T}"
@@ -144,7 +144,7 @@ def runner_step(model, T):
     runner = TargetRunner(model, max_batch=1, max_seq=PREFIX + 64)
     runner.prefill([torch.randint(0, 49152, (PREFIX,)).tolist()])
     parents, depth = random_tree(1, T) if T > 1 else (chain_parents([1], 1), torch.zeros(1, 1, dtype=torch.long))
-    prefix = runner.cache.lengths.clone()
+    prefix = torch.tensor([PREFIX], dtype=torch.int32)
     ids = torch.randint(0, 49152, (1, T))
     return lambda: runner(ids, PREFIX + depth, parents, prefix)
 

@@ -64,7 +64,7 @@ def test_fused_step_matches_eager_module(runner, dtype, T):
     draft.caches.k.copy_(k0)
     draft.caches.v.copy_(v0)
     with torch.no_grad():
-        eager = draft.eager_step(j, tok, feat, pos, parents, prefix)
+        eager = draft.step(j, tok, feat, pos, parents, prefix, eager=True)
     tol = TOL[dtype]
     torch.testing.assert_close(fused.float(), eager.float(), rtol=tol, atol=tol * float(eager.abs().max()))
     torch.testing.assert_close(kf.float(), draft.caches.k.float(), rtol=tol, atol=tol)

@@ -66,7 +66,7 @@ def test_eval_end_to_end(tiny_folder, tmp_path):
     def argv(limit):
         return ["eval", "--target", str(tiny_folder / "target"), "--drafts", str(tiny_folder / "eagle"),
                 str(tiny_folder / "poss-k"), "--datasets", "none", "--dataset", str(data), "--limit", str(limit),
-                "--max-new-tokens", "12", "--num-nodes", "10", "--depth", "3", "--top-k", "3", "--out", str(out)]
+                "--max-new-tokens", "12", "--num-nodes", "10", "--depth", "3", "--beam-width", "3", "--out", str(out)]
 
     assert main(argv(2)) == 0
     res = json.loads((out / "results.json").read_text())

@@ -1,6 +1,6 @@
 """``draft_tree`` against a from-scratch EAGLE-2 / PosS drafter written the slow, obvious way.
 
-The reference runs every frontier node's specialist as a plain eager chain (``PosSDraft.eager_step``,
+The reference runs every frontier node's specialist as a plain eager chain (``PosSDraft.step(eager=True)``,
 dense-mask SDPA, a fresh cache) over the whole committed context plus that node's own path, so it
 shares neither the catch-up trees, the fused op, the tree-attention kernel nor the draft caches
 with the loop. Both feed their candidates to ``build_tree``; the trees must be the same.
@@ -11,7 +11,8 @@ import torch
 
 from helpers.loop import eval_prompts, make_generator, tiny_target
 from helpers.loop import single_thread  # noqa: F401  (autouse: one CPU thread)
-from poss.draft_tree import draft_tree
+from poss.decode.draft_tree import draft_tree
+from poss.decode.params import SamplingParams, TreeParams
 from poss.models.kv_cache import StaticKVCache
 from poss.models.target import chain_parents
 import poss_ext
@@ -23,8 +24,8 @@ def eager_chain(draft, j, tokens, feats):
     draft.caches = StaticKVCache(cfg.n_specialists, 1, cfg.kv_heads, T + 1, cfg.head_dim, saved.k.dtype, saved.k.device)
     try:
         with torch.no_grad():
-            out = draft.eager_step(j, tokens.view(1, T), feats.view(1, T, -1), torch.arange(T).view(1, T),
-                                   chain_parents([T], T), torch.zeros(1, dtype=torch.int32))
+            out = draft.step(j, tokens.view(1, T), feats.view(1, T, -1), torch.arange(T).view(1, T),
+                             chain_parents([T], T), torch.zeros(1, dtype=torch.int32), eager=True)
     finally:
         draft.caches = saved
     return out[0, -1]
@@ -64,8 +65,8 @@ def test_draft_tree_matches_a_from_scratch_drafter(n, ppl):
     depth, K, nodes = 4, 3, 20
     gen = make_generator(tiny_target(seed=8), draft=True, n=n, ppl=ppl, aligned=True)
     gen.end_ids = set()
-    reqs = gen._requests(eval_prompts(1)[2:3], 40, 0.0, 0, 1.0)
-    run = gen._run(reqs, num_nodes=nodes, depth=depth, top_k_draft=K, seed=0, stop=())
+    reqs = gen._requests(eval_prompts(1)[2:3], 40, [SamplingParams()])
+    run = gen._run(reqs, TreeParams(nodes, depth, K), stop=())
     for _ in range(4):  # prefill + 3 rounds: the next round catches up on several verified pairs
         next(run)
     seq = gen.state

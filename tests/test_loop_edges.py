@@ -5,7 +5,8 @@ import torch
 
 from helpers.loop import ByteTokenizer, eval_prompts, hf_greedy, make_generator, tiny_target
 from helpers.loop import single_thread  # noqa: F401  (autouse: one CPU thread)
-from poss.generator import Generator
+from poss.decode.generator import Generator
+from poss.decode.params import SamplingParams, TreeParams
 
 PROMPTS = eval_prompts(1, max_len=24)
 
@@ -73,13 +74,13 @@ def test_finished_requests_leave_the_batch(model):
     """Rounds of a request that stopped early are not run: its row is dropped from the batch."""
     g = make_generator(model, draft=True, n=3, ppl=2, aligned=True)
     g.end_ids = set()
-    reqs = g._requests(PROMPTS[:3], 40, 0.0, 0, 1.0)
+    reqs = g._requests(PROMPTS[:3], 40, [SamplingParams()] * 3)
     reqs[1].max_new_tokens = 2
     batches = []
-    run = g._run(reqs, num_nodes=30, depth=6, top_k_draft=5, seed=0, stop=())
+    run = g._run(reqs, TreeParams(30, 6, 5), stop=())
     next(run)
     for _ in run:
-        batches.append(g.state.batch)
+        batches.append(g.state.size)
     assert batches[0] == 3 and 2 in batches and batches[-1] >= 1
     assert len(reqs[1].generated) == 2
 
@@ -128,8 +129,8 @@ def test_bf16_speculative_matches_our_bf16_autoregressive_loop():
 
 
 @pytest.mark.parametrize("kw,match", [(dict(num_nodes=0), "num_nodes"), (dict(num_nodes=300), "num_nodes"),
-                                      (dict(depth=-1), "depth"), (dict(top_k_draft=0), "top_k_draft"),
-                                      (dict(depth=40, top_k_draft=10), "256 nodes")])
+                                      (dict(depth=-1), "depth"), (dict(beam_width=0), "beam_width"),
+                                      (dict(depth=40, beam_width=10), "256 nodes")])
 def test_bad_tree_parameters_are_clear_errors(gen, kw, match):
     with pytest.raises(ValueError, match=match):
         gen.generate([PROMPTS[0]], 4, **kw)

@@ -67,7 +67,7 @@ def test_reduced_vocabulary_draft_is_lossless(target, reference, draft_vocab):
     """A draft that proposes only K of the 300 tokens: verification over the full vocabulary keeps
     the output identical (with K = 7 most target tokens are outside the draft's reach)."""
     gen = make_generator(target, draft=True, n=3, ppl=2, aligned=True, draft_vocab=draft_vocab)
-    got, stats = generate_batched(gen, PROMPTS, 8, top_k_draft=min(draft_vocab, 10))
+    got, stats = generate_batched(gen, PROMPTS, 8, beam_width=min(draft_vocab, 10))
     assert_identical(got, reference)
     drafted = gen.draft.token_map.tolist()
     assert set(drafted) < set(range(300))
@@ -85,5 +85,5 @@ def test_autoregressive_baseline_matches_hf(target, reference):
 def test_depth_and_tree_size_variants(target, reference):
     gen = make_generator(target, draft=True, n=3, ppl=1, aligned=True)
     for depth, nodes, k in [(1, 4, 3), (3, 8, 2), (8, 40, 4)]:
-        got, _ = generate_batched(gen, PROMPTS[:6], 6, depth=depth, num_nodes=nodes, top_k_draft=k)
+        got, _ = generate_batched(gen, PROMPTS[:6], 6, depth=depth, num_nodes=nodes, beam_width=k)
         assert_identical(got, reference[:6])

@@ -56,14 +56,14 @@ def test_real_smollm2_greedy_matches_hf(gen):
 
 
 def test_cli_generate_reports_speed_and_the_missing_draft(capsys, monkeypatch, tmp_path):
-    import poss.api
+    import poss.models.registry as registry
     from poss.cli import main
 
     assert main(["generate", "--prompt", "Say hi.", "--max-new-tokens", "6"]) == 0
     out, err = capsys.readouterr()
     assert out.strip() and "tokens/s" in err and "tau" in err
-    assert ("no trained draft" in err) == (poss.api.shipped_draft("smollm2-135m") is None)
-    monkeypatch.setattr(poss.api, "DRAFTS_DIR", tmp_path)  # a target nothing ships for
+    assert ("no trained draft" in err) == (registry.shipped_draft("smollm2-135m") is None)
+    monkeypatch.setattr(registry, "DRAFTS_DIR", tmp_path)  # a target nothing ships for
     assert main(["generate", "--prompt", "Say hi.", "--max-new-tokens", "4"]) == 0
     out, err = capsys.readouterr()
     assert out.strip() and "no trained draft exists for target 'smollm2-135m'" in err

@@ -77,7 +77,7 @@ def chi2_pvalue(counts, probs):
 def test_first_three_tokens_follow_the_target(model, draft, draft_vocab):
     probs = exact_distribution(model)
     gen = make_generator(model, draft=draft, n=3, ppl=1, aligned=True, draft_vocab=draft_vocab)
-    counts, accepted = sample(gen, calls=40, depth=3, num_nodes=12, top_k_draft=4)
+    counts, accepted = sample(gen, calls=40, depth=3, num_nodes=12, beam_width=4)
     # Never a sequence the target cannot produce (top-p cut it).
     assert counts[probs == 0].sum() == 0
     assert chi2_pvalue(counts, probs) > 1e-3
@@ -93,7 +93,7 @@ def test_chi_square_detects_a_wrong_distribution(model):
     counts = torch.zeros(V, V, V)
     for seed in range(40):
         for ids in gen.generate([PROMPT] * 64, 3, temperature=1.0, top_p=TOP_P, seed=seed, depth=3,
-                                num_nodes=12, top_k_draft=4).token_ids:
+                                num_nodes=12, beam_width=4).token_ids:
             counts[tuple(ids)] += 1
     assert chi2_pvalue(counts, probs) < 1e-3
 

@@ -6,7 +6,7 @@ import torch
 
 from helpers.loop import eval_prompts, make_generator, tiny_target
 from helpers.loop import single_thread  # noqa: F401  (autouse: one CPU thread)
-from poss.forward import specialist_step
+from poss.decode.params import SamplingParams, TreeParams
 from poss.models.kv_cache import StaticKVCache
 from poss.models.target import chain_parents
 
@@ -18,8 +18,8 @@ def recompute_specialist(draft, j, tokens, feats):
     cfg = draft.config
     draft.caches = StaticKVCache(cfg.n_specialists, 1, cfg.kv_heads, T + 4, cfg.head_dim, saved.k.dtype, saved.k.device)
     try:
-        specialist_step(draft, j, tokens.view(1, T), feats.view(1, T, -1), torch.arange(T).view(1, T),
-                        chain_parents([T], T), torch.zeros(1, dtype=torch.int32))
+        draft.step(j, tokens.view(1, T), feats.view(1, T, -1), torch.arange(T).view(1, T),
+                   chain_parents([T], T), torch.zeros(1, dtype=torch.int32))
         return draft.caches.k[j, 0, :, :T].clone(), draft.caches.v[j, 0, :, :T].clone()
     finally:
         draft.caches = saved
@@ -30,13 +30,13 @@ def test_draft_caches_match_recomputation_after_several_rounds(n, ppl):
     model = tiny_target(seed=5)
     gen = make_generator(model, draft=True, n=n, ppl=ppl, aligned=True)
     gen.end_ids = set()
-    reqs = gen._requests(eval_prompts(1)[:4], 60, 0.0, 0, 1.0)
-    run = gen._run(reqs, num_nodes=30, depth=6, top_k_draft=5, seed=0, stop=())
+    reqs = gen._requests(eval_prompts(1)[:4], 60, [SamplingParams()] * 4)
+    run = gen._run(reqs, TreeParams(30, 6, 5), stop=())
     for _ in range(7):  # prefill + 6 rounds
         next(run)
     seq, draft = gen.state, gen.draft
     assert min(seq.draft_len) > min(len(r.prompt) for r in reqs)  # rounds really committed tokens
-    for b in range(seq.batch):
+    for b in range(seq.size):
         d, L = seq.draft_len[b], seq.length[b]
         ids = seq.ids[b, : L + 1]
         with torch.no_grad():  # the target's features over the committed text, from scratch (HF)

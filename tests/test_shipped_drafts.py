@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from poss.data import load_eval_set
 from helpers.loop import single_thread  # noqa: F401  (autouse: one CPU thread)
 
-from poss.api import DRAFTS_DIR, shipped_draft
+from poss.models.registry import DRAFTS_DIR, shipped_draft
 
 SHIPPED = sorted(p.parent for p in DRAFTS_DIR.glob("*/config.json")) if DRAFTS_DIR.is_dir() else []
 pytestmark = pytest.mark.skipif(not SHIPPED, reason="no trained draft in drafts/")

@@ -36,7 +36,6 @@ def test_prefill_matches_hf_fp32(kind, over):
         assert_logits_close(last[b], want[-1])
         assert int(last[b].argmax()) == int(want[-1].argmax())
         assert_logits_close(feats[b, : len(p)], hid)
-    assert runner.cache.lengths.tolist() == [len(p) for p in prompts]
 
 
 def test_decode_and_tree_steps_match_hf():
@@ -47,11 +46,11 @@ def test_decode_and_tree_steps_match_hf():
     runner = TargetRunner(model, max_batch=2, max_seq=64)
     last, _ = runner.prefill(prompts)
     seqs = [list(p) for p in prompts]
+    lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32)  # committed lengths (the caller's)
     for _ in range(4):
         nxt = last.argmax(-1)
-        lens = runner.cache.lengths.clone()
         logits, _ = runner(nxt.view(2, 1), lens.long().view(2, 1), chain_parents([1, 1], 1), lens)
-        runner.cache.lengths += 1
+        lens += 1
         last = logits[:, 0]
         for b in range(2):
             seqs[b].append(int(nxt[b]))
@@ -62,7 +61,6 @@ def test_decode_and_tree_steps_match_hf():
     toks = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
     parents = torch.tensor([[-1, 0, 0, 1]] * 2, dtype=torch.int32)
     depth = torch.tensor([0, 1, 1, 2])
-    lens = runner.cache.lengths.clone()
     logits, _ = runner(toks, lens.long().view(2, 1) + depth, parents, lens)
     for b in range(2):
         for node, path in [(0, [0]), (1, [0, 1]), (2, [0, 2]), (3, [0, 1, 3])]:
@@ -85,7 +83,7 @@ def test_prompt_longer_than_cache_is_a_clear_error():
     with pytest.raises(ValueError, match="longer than the cache"):
         runner.prefill([[1] * 17, [2] * 3])
     runner.prefill([[1] * 10])
-    lens = runner.cache.lengths[:1].clone()
+    lens = torch.tensor([10], dtype=torch.int32)
     with pytest.raises(ValueError, match="max_seq=16"):
         runner(torch.ones(1, 8, dtype=torch.long), torch.arange(8).view(1, 8) + 10,
                chain_parents([8], 8), lens)
@@ -116,12 +114,12 @@ def test_real_smollm2_matches_hf():
         assert int(last[b].argmax()) == int(want[-1].argmax())
     # A few greedy decode steps, still identical to HF's greedy continuation.
     seq, cur = list(prompts[0]), last[:1]
+    lens = torch.tensor([len(prompts[0])], dtype=torch.int32)
     for _ in range(3):
         nxt = int(cur[0].argmax())
         seq.append(nxt)
-        lens = runner.cache.lengths[:1].clone()
         cur, _ = runner(torch.tensor([[nxt]]), lens.long().view(1, 1), chain_parents([1], 1), lens)
         cur = cur[:, 0]
-        runner.cache.lengths[:1] += 1
+        lens += 1
         want, _ = hf_logits(model, seq)
         assert int(cur[0].argmax()) == int(want[-1].argmax())

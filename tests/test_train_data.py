@@ -73,7 +73,7 @@ def test_collate_pads_right_and_fingerprint_changes():
 
 
 def test_real_sharegpt_file_if_cached():
-    from poss.models.cache import cache_root
+    from poss.models.downloads import cache_root
 
     path = cache_root() / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
     if not path.exists():

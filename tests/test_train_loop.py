@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from poss.models.draft import PosSDraft
 from poss.train.features import CachedFeatures, FeatureCache, OnlineFeatures
 from poss.train.data import collate
-from poss.train.loop import evaluate
+from poss.train.validate import evaluate
 from helpers.child_env import child_env
 from helpers.train_tiny import make_trainer, tiny_examples, tiny_target
 
@@ -24,9 +24,9 @@ HERE = Path(__file__).resolve().parent
 def test_training_reduces_the_loss(tmp_path):
     tr = make_trainer(tmp_path, method="poss", steps=2, ppl=1, n_train=4, batch_size=2, epochs=12, noise=0.0, lr=3e-3)
     ids = list(range(len(tr.train)))
-    before = evaluate(tr.draft, tr.features, tr.train, ids, tr.cfg, tr.runner)
+    before = evaluate(tr.draft, tr.features, tr.train, ids, tr.cfg.objective(), tr.runner, tr.cfg.batch_size, tr.cfg.autocast_dtype)
     result = tr.fit()
-    after = evaluate(tr.draft, tr.features, tr.train, ids, tr.cfg, tr.runner)
+    after = evaluate(tr.draft, tr.features, tr.train, ids, tr.cfg.objective(), tr.runner, tr.cfg.batch_size, tr.cfg.autocast_dtype)
     assert result["finished"] and result["progress"]["step"] == 24
     for k in range(2):
         assert after["loss"][k] < 0.8 * before["loss"][k]

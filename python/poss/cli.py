@@ -1,4 +1,7 @@
-"""The ``poss`` command line: generate, chat, train, plus info and demo (eval is not there yet)."""
+"""The ``poss`` command line: generate, chat, train, distill, eval, plus info and demo.
+
+Parsers are built without importing torch; each command imports what it runs.
+"""
 
 import argparse
 import json
@@ -10,39 +13,33 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="show how the poss_ext kernels were built")
     sub.add_parser("demo", help="verify a small draft tree with torch.ops.poss.tree_verify")
-    from poss import cli_generate
-    from poss.train.cli import add_train_parser
-    from poss.train.distill import add_distill_parser
+    from poss.decode import cli as decode_cli
+    from poss.eval import cli as eval_cli
+    from poss.train import cli as train_cli
 
-    cli_generate.add_arguments(sub.add_parser("generate", help="generate text for one or more prompts"), chat=False)
-    cli_generate.add_arguments(sub.add_parser("chat", help="interactive multi-turn chat"), chat=True)
-    add_train_parser(sub)
-    add_distill_parser(sub)
-    from poss.eval.cli import add_eval_parser
-
-    add_eval_parser(sub)
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    decode_cli.add_arguments(sub.add_parser("generate", help="generate text for one or more prompts",
+                                            formatter_class=fmt), chat=False)
+    decode_cli.add_arguments(sub.add_parser("chat", help="interactive multi-turn chat", formatter_class=fmt), chat=True)
+    train_cli.add_train_parser(sub)
+    train_cli.add_distill_parser(sub)
+    eval_cli.add_eval_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "generate":
-        return cli_generate.cmd_generate(args)
+        return decode_cli.cmd_generate(args)
     if args.command == "chat":
-        return cli_generate.cmd_chat(args)
+        return decode_cli.cmd_chat(args)
     if args.command == "info":
         import poss_ext
 
         print(json.dumps(poss_ext.build_info(), indent=2))
         return 0
     if args.command == "train":
-        from poss.train.cli import run_train
-
-        return run_train(args)
+        return train_cli.run_train(args)
     if args.command == "eval":
-        from poss.eval.cli import run_eval
-
-        return run_eval(args)
+        return eval_cli.run_eval(args)
     if args.command == "distill":
-        from poss.train.distill import run_distill
-
-        return run_distill(args)
+        return train_cli.run_distill(args)
     if args.command == "demo":
         from poss.demo import main as demo
 

@@ -7,7 +7,7 @@ Nothing here is trained: the models run the real code paths in milliseconds, wit
 import torch
 
 from poss.data.eval_sets import EVAL_SETS, load_eval_set
-from poss.generator import Generator
+from poss.decode.generator import Generator
 from poss.models.draft import PosSDraft
 from poss.models.draft_config import DraftConfig
 from poss.models.target import TargetRunner

@@ -18,7 +18,7 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--num-nodes", type=int, default=60)
     p.add_argument("--depth", type=int, default=6)
-    p.add_argument("--top-k", type=int, default=10, help="beam width of the draft tree")
+    p.add_argument("--beam-width", type=int, default=10, help="draft candidates kept per tree level (EAGLE's top-k)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; 1: the sampling setting")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf", action="store_true", help="also time transformers generate (greedy) as a reference")
@@ -70,11 +70,11 @@ def run_eval(args) -> int:
         torch.set_num_threads(args.threads)
     drafts = args.drafts
     if drafts is None:
-        from poss import shipped_drafts
+        from poss.models.registry import shipped_drafts
 
         drafts = [str(d) for d in shipped_drafts(args.target)]
     methods = [None] + (["hf"] if args.hf else []) + list(drafts)
-    s = Settings(args.max_new_tokens, args.num_nodes, args.depth, args.top_k, args.temperature, args.seed)
+    s = Settings(args.max_new_tokens, args.num_nodes, args.depth, args.beam_width, args.temperature, args.seed)
     evaluate(args.target, methods, datasets, args.out, s, limit=args.limit)
     res = write(args.out, args.depth, vars(s), args.threads)
     print((Path(args.out) / "table.md").read_text())

@@ -15,13 +15,15 @@ from typing import Dict, Iterable, List, Optional
 
 import torch
 
+from poss.decode.params import SamplingParams, TreeParams
+
 
 @dataclass
 class Settings:
     max_new_tokens: int = 512
     num_nodes: int = 60
     depth: int = 6
-    top_k: int = 10  # beam width of the draft tree
+    beam_width: int = 10  # draft candidates kept per level
     temperature: float = 0.0
     seed: int = 0
 
@@ -70,8 +72,8 @@ def poss_turn(gen, messages, s: Settings) -> dict:
     """One turn with our generator (``gen.draft`` None: autoregressive), with the round phases timed."""
     gen.profile = {}
     t0 = time.perf_counter()
-    res = gen.generate(messages, s.max_new_tokens, temperature=s.temperature, num_nodes=s.num_nodes,
-                       depth=s.depth, top_k_draft=s.top_k, seed=s.seed)
+    res = gen.generate(messages, s.max_new_tokens, SamplingParams(temperature=s.temperature, seed=s.seed),
+                       TreeParams(num_nodes=s.num_nodes, depth=s.depth, beam_width=s.beam_width))
     dt = time.perf_counter() - t0
     prof, gen.profile = gen.profile, None
     st = res.stats[0]
@@ -119,7 +121,7 @@ def evaluate(target: str, drafts: Iterable[Optional[str]], datasets: Dict[str, L
                     continue
                 if not warm:  # first-call costs (allocation, thread pools) stay out of the timings
                     answer(method, {"turns": ["Hello"]}, Settings(max_new_tokens=8, num_nodes=s.num_nodes,
-                                                                 depth=s.depth, top_k=s.top_k))
+                                                                 depth=s.depth, beam_width=s.beam_width))
                     warm = True
                 for r in tqdm(todo, desc=f"{name} {ds}", disable=not progress, dynamic_ncols=True):
                     rec = {"method": name, "draft": None if d in (None, "hf") else str(d), "dataset": ds,

@@ -1,12 +1,9 @@
-"""The PosS draft's configuration and the fingerprint that ties a draft to its target's weights."""
+"""The PosS draft's configuration: its shape, the specialist schedule and the target it was made for."""
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict
-
-import torch
 
 
 @dataclass
@@ -52,7 +49,20 @@ class DraftConfig:
 
     @classmethod
     def load(cls, path: Path) -> "DraftConfig":
-        return cls(**json.loads(Path(path).read_text()))
+        data = json.loads(Path(path).read_text())
+        if "ppl" in data:  # the key's older name
+            data.setdefault("positions_per_specialist", data.pop("ppl"))
+        return cls(**data)
+
+    def check_target(self, fingerprint: str, what: str = "this draft") -> None:
+        """Raise ``ValueError`` unless the target weights ``fingerprint`` are those this draft was made for.
+
+        A config without a recorded fingerprint (a hand-made draft) matches every target.
+        """
+        if self.target_fingerprint and fingerprint != self.target_fingerprint:
+            raise ValueError(
+                f"{what} was trained for another target ({self.target_name!r}, weights {self.target_fingerprint}), "
+                f"but this target has different weights ({fingerprint}); load the matching target")
 
     @classmethod
     def for_target(cls, hf_config, name: str, fingerprint: str, **kw) -> "DraftConfig":
@@ -64,17 +74,3 @@ class DraftConfig:
                    ffn=hf_config.intermediate_size, vocab=hf_config.vocab_size, rope=dict(rope),
                    rms_eps=float(hf_config.rms_norm_eps), target_name=name, target_fingerprint=fingerprint,
                    **kw)
-
-
-def weight_fingerprint(named_tensors) -> str:
-    """A short hash of a model's weights: names, shapes and a strided sample of each tensor.
-
-    Samples are rounded to bf16 first, so the same target loaded in fp32 or bf16 matches.
-    """
-    h = hashlib.sha256()
-    for name, t in sorted(named_tensors, key=lambda kv: kv[0]):
-        flat = t.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // 4096)].to("cpu", torch.bfloat16).view(torch.int16)
-        h.update(f"{name}:{tuple(t.shape)}".encode())
-        h.update(sample.numpy().tobytes())
-    return h.hexdigest()[:16]

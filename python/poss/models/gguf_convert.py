@@ -25,6 +25,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     """Dequantise ``gguf_path`` into an fp32 HF folder ``out_dir`` (model + tokenizer), atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from poss.models.target import check_architecture
+
     if (out_dir / "config.json").exists():
         return out_dir
     tmp = out_dir.with_name(out_dir.name + ".tmp")
@@ -47,17 +49,3 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         bar.update(1)
     tmp.rename(out_dir)
     return out_dir
-
-
-SUPPORTED_MODEL_TYPES = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
-
-
-def check_architecture(config) -> None:
-    """Raise a clear error unless ``config`` is an architecture the target runner implements."""
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        names = ", ".join(SUPPORTED_MODEL_TYPES.values())
-        raise ValueError(
-            f"unsupported architecture {model_type!r} ({getattr(config, 'architectures', None)}); "
-            f"poss supports {names}"
-        )

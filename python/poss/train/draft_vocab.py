@@ -51,6 +51,13 @@ def inverse_map(token_map: Tensor, vocab_size: int) -> Tensor:
     return inv
 
 
+def answer_vocabulary(examples, k: int, vocab_size: int, always: Iterable[int] = ()) -> Tensor:
+    """The draft vocabulary of a training set: the ``k`` most frequent loss-masked (answer) tokens of
+    ``examples`` (:class:`poss.train.data.Example`), plus ``always`` (the end tokens)."""
+    answers = [e.input_ids[e.loss_mask.bool()].tolist() for e in examples]
+    return select_draft_vocab(token_counts(answers), k, vocab_size, always)
+
+
 def coverage(token_map: Tensor, answers: Iterable[Sequence[int]]) -> float:
     """Fraction of the answers' tokens inside the draft vocabulary: an upper bound on the share of
     target tokens the draft can ever propose."""

@@ -18,7 +18,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from poss.models.target import TargetRunner, chain_parents
+from poss.models.target import TargetRunner
+from poss.models.tree import chain_parents
+
+# Feature-cache keys: a training example is keyed by its index, a validation example by this offset
+# plus its index, so one cache folder holds both splits.
+VAL_ID_OFFSET = 10 ** 9
 
 
 class OnlineFeatures:
@@ -39,7 +44,7 @@ class OnlineFeatures:
         parents = chain_parents(lengths.tolist(), L, dev)
         positions = torch.arange(L, device=dev).expand(B, L).contiguous()
         prefix = torch.zeros(B, dtype=torch.int32, device=dev)
-        f = r.hidden(input_ids.to(dev), positions, parents, prefix)
+        _, f = r.forward(input_ids.to(dev), positions, parents, prefix, check_capacity=False, logits=False)
         # Rows past a sequence's length are padding; zero them so they are inert everywhere.
         valid = torch.arange(L, device=dev).view(1, L) < lengths.to(dev).view(B, 1)
         return f * valid.unsqueeze(-1).to(f.dtype)

@@ -18,12 +18,12 @@ from poss.models.draft_config import DraftConfig
 from poss.models.target import TargetRunner
 from poss.train import checkpoint as ckpt
 from poss.train.data import Example, collate, data_fingerprint
-from poss.train.ddp import DistInfo, all_reduce_sum, average_gradients, broadcast_parameters
-from poss.train.features import make_features
+from poss.train.ddp import DistInfo, average_gradients, broadcast_parameters
+from poss.train.features import VAL_ID_OFFSET, make_features
 from poss.train.objective import Objective, make_batch, run_steps
+from poss.train.validate import evaluate
 
 METHODS = ("eagle2", "hass", "poss")
-VAL_ID_OFFSET = 10 ** 9  # feature-cache ids of validation examples (train examples use their index)
 
 
 @dataclass
@@ -65,9 +65,13 @@ class TrainConfig:
         return math.ceil(self.steps / self.positions_per_specialist)
 
     @property
-    def ppl(self) -> int:
-        # A single-layer draft drafts every position with layer 0; the config records that as ppl=steps.
+    def draft_positions_per_specialist(self) -> int:
+        """What the draft's config records: a single-layer draft drafts every position with layer 0."""
         return self.positions_per_specialist if self.method == "poss" else self.steps
+
+    @property
+    def autocast_dtype(self) -> Optional[torch.dtype]:
+        return torch.bfloat16 if self.autocast == "bf16" else None
 
     def objective(self) -> Objective:
         return Objective(self.steps, self.v_weight, self.p_weight, self.topk_weight)
@@ -82,24 +86,17 @@ def new_draft(runner: TargetRunner, cfg: TrainConfig, target_name: str, init_fro
     src = PosSDraft.load(init_from) if init_from else None
     if src is not None and src.token_map is not None:
         token_map = src.token_map
-    dc = DraftConfig.for_target(runner.config, target_name, runner.fingerprint(),
-                                n_specialists=cfg.n_specialists, positions_per_specialist=cfg.ppl, fc_bias=True,
+    dc = DraftConfig.for_target(runner.config, target_name, runner.fingerprint(), n_specialists=cfg.n_specialists,
+                                positions_per_specialist=cfg.draft_positions_per_specialist, fc_bias=True,
                                 draft_vocab=0 if token_map is None else int(token_map.numel()))
     torch.manual_seed(seed)
-    draft = PosSDraft(dc)
-    if token_map is not None:
-        draft.token_map.copy_(token_map)
-    if src is not None:
-        if src.config.target_fingerprint and src.config.target_fingerprint != dc.target_fingerprint:
-            raise ValueError(f"{init_from} was trained for another target ({src.config.target_name})")
-        sd = src.state_dict()
-        new = {k: v for k, v in sd.items() if k.startswith("fc.")}
+    if src is None:
+        draft = PosSDraft(dc)
         if token_map is not None:
-            new["token_map"] = draft.token_map
-        for j in range(dc.n_specialists):
-            new.update({k.replace("layers.0.", f"layers.{j}.", 1): v for k, v in sd.items() if k.startswith("layers.0.")})
-        draft.load_state_dict(new, strict=True)
-    return draft
+            draft.token_map.copy_(token_map)
+        return draft
+    src.config.check_target(dc.target_fingerprint, what=str(init_from))
+    return PosSDraft.from_single_layer(src.state_dict(), dc)
 
 
 def linear_schedule(optimizer, total: int, warmup: int):
@@ -115,32 +112,6 @@ def _step_summary(metrics: List[Dict[str, torch.Tensor]]) -> Dict[str, List[floa
     # One device->host copy for all steps' (loss, correct, count), not three per step.
     rows = torch.stack([torch.stack([m["loss"].float(), m["correct"].float(), m["count"].float()]) for m in metrics]).tolist()
     return {"loss": [r[0] for r in rows], "acc": [r[1] / max(1.0, r[2]) for r in rows]}
-
-
-@torch.no_grad()
-def evaluate(draft, features, examples: Sequence[Example], ids: Sequence[int], cfg: TrainConfig, runner,
-             info: DistInfo = DistInfo()) -> Dict:
-    """Per-step validation metrics (no noise); rows are pooled over the whole set and over ranks."""
-    obj = cfg.objective()
-    S = cfg.steps
-    sums = torch.zeros(S, 4, dtype=torch.float64)  # vloss*M, ploss*M, correct, count
-    mine = list(range(info.rank, len(examples), info.world))
-    ac = torch.bfloat16 if cfg.autocast == "bf16" else None
-    for s in range(0, len(mine), cfg.batch_size):
-        chunk = [examples[i] for i in mine[s:s + cfg.batch_size]]
-        b = collate(chunk)
-        f = features(b["input_ids"], b["lengths"], [ids[i] for i in mine[s:s + cfg.batch_size]])
-        batch = make_batch(b["input_ids"].to(f.device), b["loss_mask"].to(f.device), b["lengths"], f, runner.lm_head,
-                           token_map=draft.token_map)
-        for k, m in enumerate(run_steps(draft, batch, runner.embed, runner.lm_head, runner.inv_freq, obj,
-                                        backward=False, autocast_dtype=ac)):
-            M = float(m["count"])
-            sums[k] += torch.tensor([float(m["vloss"]) * M, float(m["ploss"]) * M, float(m["correct"]), M], dtype=torch.float64)
-    sums = all_reduce_sum(sums, info)
-    M = sums[:, 3].clamp(min=1)
-    vl, pl = (sums[:, 0] / M), (sums[:, 1] / M)
-    return {"vloss": vl.tolist(), "ploss": pl.tolist(), "loss": (cfg.v_weight * vl + cfg.p_weight * pl).tolist(),
-            "acc": (sums[:, 2] / M).tolist(), "tokens": int(sums[0, 3])}
 
 
 class Trainer:
@@ -188,7 +159,7 @@ class Trainer:
             keys = [k for k in keys if k in got]  # checkpoints from before this check carry none of them
             have, want = [got[k] for k in keys], [self.progress[k] for k in keys]
             if have != want:
-                raise ValueError(f"{self.out} holds a checkpoint of another run (data/method/steps/ppl {have}, "
+                raise ValueError(f"{self.out} holds a checkpoint of another run (data/method/steps/positions_per_specialist {have}, "
                                  f"now {want}); use a new --out or the original settings")
 
         got = ckpt.load_state(self.out, self.draft, self.opt, self.sched, check=same_run)
@@ -215,9 +186,8 @@ class Trainer:
         dev = f.device
         batch = make_batch(b["input_ids"].to(dev), b["loss_mask"].to(dev), b["lengths"], f, self.runner.lm_head,
                            self.cfg.noise_std if noise else 0.0, token_map=self.draft.token_map)
-        ac = torch.bfloat16 if self.cfg.autocast == "bf16" else None
         return run_steps(self.draft, batch, self.runner.embed, self.runner.lm_head, self.runner.inv_freq,
-                         self.cfg.objective(), backward=True, autocast_dtype=ac)
+                         self.cfg.objective(), backward=True, autocast_dtype=self.cfg.autocast_dtype)
 
     def optimizer_step(self) -> None:
         average_gradients(self.params, self.info)
@@ -279,7 +249,8 @@ class Trainer:
         result = {"progress": dict(self.progress), "finished": self.progress["epoch"] >= cfg.epochs}
         if result["finished"]:
             val_ids = [VAL_ID_OFFSET + i for i in range(len(self.val))]
-            result["val"] = evaluate(self.draft, self.features, self.val, val_ids, cfg, self.runner, info)
+            result["val"] = evaluate(self.draft, self.features, self.val, val_ids, cfg.objective(), self.runner,
+                                     cfg.batch_size, cfg.autocast_dtype, info)
             if hasattr(self.features, "cache"):
                 self.features.cache.flush()
             self.save_final(result)

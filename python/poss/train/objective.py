@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from poss.models.draft import PosSDraft
+from poss.models.specialist import fuse, rope_tables
 from poss.train.aligned_attention import aligned_attention
 
 
@@ -29,51 +30,17 @@ class Objective:
     chunk: int = 128  # rows per lm_head chunk in the distillation loss
 
 
-def rope_tables(inv_freq: Tensor, L: int, dtype) -> tuple:
-    ang = torch.arange(L, device=inv_freq.device, dtype=torch.float32).unsqueeze(-1) * inv_freq
-    ang = torch.cat([ang, ang], -1)
-    return ang.cos().to(dtype), ang.sin().to(dtype)
-
-
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, -1)
-    return x * cos + torch.cat([-x2, x1], -1) * sin
-
-
 def specialist_levels(draft: PosSDraft, j: int, embeds: Tensor, levels: List[Tensor], cos: Tensor,
                       sin: Tensor) -> Tensor:
     """Differentiable step of specialist j over feature levels: returns g ``[B, L, H]`` in ``embeds.dtype``.
 
     embeds ``[B, L, H]`` = Embed(x_{t+1}) in the compute dtype (bf16 for mixed precision, else fp32);
-    levels: ``k + 1`` tensors ``[B, L, H]``. Query and residual come from the newest level; keys/values
-    of every level from specialist j's projections. The fp32 master weights are cast to the compute
-    dtype once per call (not once per level), the RMSNorm runs in fp32.
+    levels: ``k + 1`` tensors ``[B, L, H]``; cos / sin ``[L, D] float32``. This is the draft's own eager
+    specialist (:class:`poss.models.specialist.Specialist`) with aligned attention over the levels in
+    place of tree attention over a KV cache.
     """
-    c, sp = draft.config, draft.layers[j]
-    B, L, _ = embeds.shape
-    cd = embeds.dtype
-    nq, nkv = c.heads * c.head_dim, c.kv_heads * c.head_dim
-    w_fc = draft.fc.weight.to(cd)
-    w_qkv = sp.qkv_proj.weight.to(cd)
-    cos, sin = cos.to(cd), sin.to(cd)
-    # fc([e; f]) = W_e e + W_f f + b: the token half is the same for every level, so compute it once.
-    e_part = F.linear(embeds, w_fc[:, : c.hidden], None if draft.fc.bias is None else draft.fc.bias.to(cd))
-    w_f = w_fc[:, c.hidden:]
-    us = [e_part + F.linear(lv.to(cd), w_f) for lv in levels]
-    # Queries only for the newest level; keys/values (the weight's k|v rows) for every level.
-    q = _rope(F.linear(us[-1], w_qkv[:nq]).view(B, L, c.heads, c.head_dim).transpose(1, 2), cos, sin)
-    w_kv = w_qkv[nq:]
-    keys, values = [], []
-    for u in us:
-        k, v = F.linear(u, w_kv).split([nkv, nkv], -1)
-        keys.append(_rope(k.view(B, L, c.kv_heads, c.head_dim).transpose(1, 2), cos, sin))
-        values.append(v.view(B, L, c.kv_heads, c.head_dim).transpose(1, 2))
-    attn = aligned_attention(q, keys, values, c.head_dim ** -0.5)
-    h = us[-1] + F.linear(attn.transpose(1, 2).reshape(B, L, nq), sp.o_proj.weight.to(cd))
-    hf = h.float()
-    normed = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + c.rms_eps) * sp.post_norm.float()).to(cd)
-    gate, up = F.linear(normed, sp.gate_up_proj.weight.to(cd)).chunk(2, -1)
-    return h + F.linear(F.silu(gate) * up, sp.down_proj.weight.to(cd))
+    us = fuse(draft.fc, embeds, levels)
+    return draft.layers[j].layer(us, cos, sin, aligned_attention)
 
 
 @dataclass
@@ -221,12 +188,11 @@ def run_steps(draft: PosSDraft, batch: Batch, embed: Tensor, lm_head: Tensor, in
     B, L = batch.tokens.shape
     dev = batch.features.device
     lm_head = draft.head_rows(lm_head)  # [K, H]: the rows the draft scores
-    cos, sin = rope_tables(inv_freq.to(dev), L, torch.float32)
+    cos, sin = rope_tables(inv_freq.to(dev), torch.arange(L, device=dev))
     levels = [batch.features]
     out = []
-    ppl, n = c.positions_per_specialist, c.n_specialists
     for k in range(obj.steps):
-        j = min(k // ppl, n - 1)
+        j = c.specialist_for(k + 1)  # step k drafts position k + 1
         # Mixed precision by hand: weights are cast once per step inside specialist_levels, which
         # autocast would redo for every level; the loss head takes its dtype from g.
         embeds = F.embedding(batch.tokens, embed).to(autocast_dtype or torch.float32)

@@ -1,8 +1,9 @@
 """Step 1 of a round: draft an EAGLE-2 dynamic tree with the position specialists (PosS §3.3).
 
-Draft position p (1-based depth below the root) is drafted by specialist ``min((p-1)//ppl, N-1)``.
-Each specialist keeps its own KV cache over the verified context. The first time a specialist runs
-in a round it catches up in ONE forward over a small tree:
+Draft position p (1-based depth below the root) is drafted by specialist ``min((p-1)//n, N-1)``
+(n positions per specialist, N specialists). Each specialist keeps its own KV cache over the verified
+context: :func:`warm_up` fills it with the prompt after the prefill, and from then on, the first time
+a specialist runs in a round it catches up in ONE forward over a small tree:
 
     [new verified pairs (target features)] [fillers] [level 1 (K)] ... [level p-1 (K)]
 
@@ -13,18 +14,23 @@ Requests verified different numbers of tokens last round; shorter chains are pad
 shape: fillers are leaves, nobody attends to them, and their slots lie past the committed length.
 Later positions of the same specialist query only the newest level (``Nq = K``).
 
-Candidates follow EAGLE-2: the root's top-K, then per level the top-K children of each of the K
-frontier nodes scored by cumulative log-prob; the global top-K of those K*K become the next
-frontier. ``poss::build_tree`` keeps the best ``num_nodes - 1`` candidates.
+Candidates follow EAGLE-2 with beam width K: the root's top-K, then per level the top-K children of
+each of the K frontier nodes scored by cumulative log-prob; the global top-K of those K*K become the
+next frontier. ``poss::build_tree`` keeps the best ``num_nodes - 1`` candidates.
+
+Every specialist step here skips the draft's own capacity check (a host sync): the generator sized
+the caches for the whole call.
 """
 
 from dataclasses import dataclass
+from typing import List
 
 import torch
 from torch import Tensor
 
 import poss_ext
-from poss.forward import draft_log_probs, specialist_step
+from poss.decode.batch import BatchState
+from poss.models.tree import ROOT, chain_parents
 
 
 @dataclass
@@ -39,39 +45,59 @@ class Tree:
 def root_only_tree(root: Tensor) -> Tree:
     """The empty draft: verifying it is one autoregressive step (``root [B] int64``)."""
     B = root.shape[0]
-    return Tree(root.view(B, 1), torch.full((B, 1), -1, dtype=torch.int32, device=root.device),
+    return Tree(root.view(B, 1), torch.full((B, 1), ROOT, dtype=torch.int32, device=root.device),
                 torch.zeros(B, 1, dtype=torch.int32, device=root.device))
 
 
 @torch.inference_mode()
-def draft_tree(draft, seq, depth: int, top_k: int, num_nodes: int) -> Tree:
-    """Draft ``depth`` positions for every row of ``seq`` and assemble the top ``num_nodes`` tree.
+def warm_up(draft, batch: BatchState, prompt_lens: List[int], depth: int) -> None:
+    """After the target's prefill: every specialist used up to ``depth`` over the prompt's pairs.
 
-    Advances every used specialist's committed length to the target's (``seq.draft_len``).
+    Pairs ``(x_{t+1}, f_t)`` for ``t < P - 1`` go into each used specialist's cache; the last pair
+    waits for round 1's catch-up (it is the chain that predicts the root's children).
     """
-    B, K, dev = seq.batch, top_k, seq.ids.device
-    H = seq.feats.shape[-1]
+    B, dev = batch.size, batch.ids.device
+    P = prompt_lens
+    W = max(max(P) - 1, 1)
+    parents = chain_parents([max(p - 1, 1) for p in P], W, dev)
+    pos = torch.arange(W, device=dev).expand(B, W).contiguous()
+    zero = torch.zeros(B, dtype=torch.int32, device=dev)
+    for j in sorted({draft.specialist_for(p) for p in range(1, depth + 1)}):
+        draft.step(j, batch.ids[:, 1: W + 1].contiguous(), batch.feats[:, :W].contiguous(), pos, parents, zero,
+                   check_capacity=False)
+    batch.draft_len = [p - 1 for p in P]
+    batch.draft_len_dev.copy_(batch.length_dev - 1)
+
+
+@torch.inference_mode()
+def draft_tree(draft, batch: BatchState, depth: int, beam_width: int, num_nodes: int) -> Tree:
+    """Draft ``depth`` positions for every row of ``batch`` and assemble the top ``num_nodes`` tree.
+
+    Catches every used specialist up to the target's committed length (``batch.draft_len``).
+    """
+    B, K, dev = batch.size, beam_width, batch.ids.device
+    H = batch.feats.shape[-1]
     # -- the newly verified pairs (x_{t+1}, f_t), t in [draft_len, L), as a padded chain
-    T = max(L - d for L, d in zip(seq.length, seq.draft_len))
-    last = (seq.length_dev - seq.draft_len_dev - 1).long()  # chain node of each row's last real pair
-    t = seq.draft_len_dev.long().unsqueeze(1) + torch.minimum(torch.arange(T, device=dev).unsqueeze(0),
+    T = max(L - d for L, d in zip(batch.length, batch.draft_len))
+    last = (batch.length_dev - batch.draft_len_dev - 1).long()  # chain node of each row's last real pair
+    t = batch.draft_len_dev.long().unsqueeze(1) + torch.minimum(torch.arange(T, device=dev).unsqueeze(0),
                                                               last.unsqueeze(1))
-    chain = (seq.ids.gather(1, t + 1), seq.feats.gather(1, t.unsqueeze(-1).expand(B, T, H)), t,
+    chain = (batch.ids.gather(1, t + 1), batch.feats.gather(1, t.unsqueeze(-1).expand(B, T, H)), t,
              (torch.arange(T, dtype=torch.int32, device=dev) - 1).expand(B, T))
-    prefix = seq.draft_len_dev
+    prefix = batch.draft_len_dev
     levels = [chain]  # (tokens, features, positions, parents) per block of the round's draft tree
 
     def forward(j: int, catch_up: bool) -> Tensor:
         parents = torch.cat([lv[3] for lv in levels], 1).contiguous()
         blocks = levels if catch_up else levels[-1:]
         tok, feat, pos = (torch.cat([lv[i] for lv in blocks], 1).contiguous() for i in range(3))
-        return specialist_step(draft, j, tok, feat, pos, parents, prefix)
+        return draft.step(j, tok, feat, pos, parents, prefix, check_capacity=False)
 
     # -- position 1: specialist 0 on the chain; the last real pair predicts the root's children
     out = forward(draft.specialist_for(1), catch_up=True)
     ran = {draft.specialist_for(1)}
     root_out = out.gather(1, last.view(B, 1, 1).expand(B, 1, H))
-    score, token = draft_log_probs(draft, root_out).topk(K, dim=-1)  # [B, 1, K]
+    score, token = draft.log_probs(root_out).topk(K, dim=-1)  # [B, 1, K]
     score, token = score.view(B, K), draft.full_ids(token.view(B, K))
     cand_tokens, cand_scores = [token], [score]
     cand_parents = [torch.full((B, K), -1, dtype=torch.int32, device=dev)]
@@ -81,12 +107,12 @@ def draft_tree(draft, seq, depth: int, top_k: int, num_nodes: int) -> Tree:
 
     # -- positions 2..depth: forward the frontier (level p-1), expand it to level p
     for p in range(2, depth + 1):
-        position = seq.length_dev.long().unsqueeze(1) + (p - 2)  # level p-1 holds x_{L+p-1}, input position L+p-2
+        position = batch.length_dev.long().unsqueeze(1) + (p - 2)  # level p-1 holds x_{L+p-1}, input position L+p-2
         levels.append((token, frontier_feat, position.expand(B, K), frontier_parent.to(torch.int32)))
         j = draft.specialist_for(p)
         out = forward(j, catch_up=j not in ran)[:, -K:]
         ran.add(j)
-        child_score, child_token = draft_log_probs(draft, out).topk(K, dim=-1)  # [B, K, K]
+        child_score, child_token = draft.log_probs(out).topk(K, dim=-1)  # [B, K, K]
         cum = (child_score + score.unsqueeze(-1)).flatten(1)
         child_token = draft.full_ids(child_token.flatten(1))
         cand_tokens.append(child_token)
@@ -100,9 +126,9 @@ def draft_tree(draft, seq, depth: int, top_k: int, num_nodes: int) -> Tree:
             frontier_feat = out.gather(1, src.unsqueeze(-1).expand(B, K, H))
             frontier_parent = (T + K * (p - 2)) + src
 
-    seq.draft_len = list(seq.length)
-    seq.draft_len_dev.copy_(seq.length_dev)
+    batch.draft_len = list(batch.length)
+    batch.draft_len_dev.copy_(batch.length_dev)
     tokens, parents, tree_depth = poss_ext.ops.build_tree(
         torch.cat(cand_tokens, 1), torch.cat(cand_scores, 1), torch.cat(cand_parents, 1).contiguous(),
-        seq.root_tokens(), num_nodes)
+        batch.root_tokens(), num_nodes)
     return Tree(tokens, parents, tree_depth)

@@ -1,4 +1,4 @@
-"""The sequence state of a batch: committed lengths, token and feature history, cache rows.
+"""The state of a decoding batch: committed lengths, token and feature history, cache rows.
 
 Row ``b`` of every cache and buffer belongs to the request ``requests[b]``. Active requests always
 occupy rows ``0 .. B-1``: when one finishes, the last active row moves into its place, so every
@@ -18,6 +18,7 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
+from poss.decode.params import SamplingParams, SamplingTensors
 from poss.models.kv_cache import StaticKVCache
 
 
@@ -28,12 +29,9 @@ class Request:
     index: int  # position in the caller's prompt list
     prompt: List[int]
     max_new_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     generated: List[int] = field(default_factory=list)
-    rounds: int = 0
-    accept_hist: List[int] = field(default_factory=list)
+    accept_hist: List[int] = field(default_factory=list)  # [k]: rounds that accepted k draft tokens
     finished: bool = False
     finish_reason: Optional[str] = None
     seconds: float = 0.0
@@ -41,26 +39,28 @@ class Request:
     features: Optional[Tensor] = None  # [P + n - 1, H], kept when the generator keeps features
 
 
-class Sequences:
-    """Device buffers for ``requests`` (rows in order) plus the host mirror of their lengths."""
+class BatchState:
+    """Device buffers for ``requests`` (rows in order) plus the host mirror of their lengths.
+
+    ids ``[B, capacity] int64``; feats ``[B, capacity, H]`` (the runner's dtype) or None when nothing
+    reads them; length_dev / draft_len_dev ``[B] int32`` with host mirrors ``length`` / ``draft_len``;
+    ``sampling``: the requests' :class:`SamplingTensors`, None when all are greedy.
+    """
 
     def __init__(self, requests: List[Request], hidden: int, capacity: int, feat_dtype, device, with_feats: bool):
         B = len(requests)
         self.requests = list(requests)
-        self.device = device
         self.ids = torch.zeros(B, capacity, dtype=torch.int64, device=device)
         self.feats = torch.zeros(B, capacity, hidden, dtype=feat_dtype, device=device) if with_feats else None
         self.length = [0] * B  # host mirror of length_dev
         self.draft_len = [0] * B
         self.length_dev = torch.zeros(B, dtype=torch.int32, device=device)
         self.draft_len_dev = torch.zeros(B, dtype=torch.int32, device=device)
-        greedy = all(r.temperature <= 0 for r in requests)
-        self.temperature = None if greedy else torch.tensor([max(r.temperature, 0.0) for r in requests], device=device)
-        self.top_k = None if greedy else torch.tensor([r.top_k for r in requests], dtype=torch.int32, device=device)
-        self.top_p = None if greedy else torch.tensor([r.top_p for r in requests], device=device)
+        self.sampling = SamplingTensors.build([r.sampling for r in requests], device)
 
     @property
-    def batch(self) -> int:
+    def size(self) -> int:
+        """Active rows ``B``."""
         return len(self.requests)
 
     def root_tokens(self) -> Tensor:
@@ -70,20 +70,21 @@ class Sequences:
     def drop_finished(self, caches: List[StaticKVCache]) -> None:
         """Remove finished rows, moving the last active row into each hole (caches included)."""
         b = 0
-        while b < self.batch:
+        while b < self.size:
             if not self.requests[b].finished:
                 b += 1
                 continue
-            last = self.batch - 1
+            last = self.size - 1
             if b != last:
                 used = max(self.length[last], self.draft_len[last]) + 1
                 for c in caches:
                     c.k[:, b, :, :used] = c.k[:, last, :, :used]
                     c.v[:, b, :, :used] = c.v[:, last, :, :used]
-                for t in (self.ids, self.feats, self.length_dev, self.draft_len_dev,
-                          self.temperature, self.top_k, self.top_p):
+                for t in (self.ids, self.feats, self.length_dev, self.draft_len_dev):
                     if t is not None:
                         t[b] = t[last]
+                if self.sampling is not None:
+                    self.sampling.move_row(b, last)
                 self.requests[b] = self.requests[last]
                 self.length[b], self.draft_len[b] = self.length[last], self.draft_len[last]
             self.requests.pop()
@@ -93,9 +94,9 @@ class Sequences:
             self._shrink()
 
     def _shrink(self) -> None:
-        B = self.batch
+        B = self.size
         self.ids, self.length_dev, self.draft_len_dev = self.ids[:B], self.length_dev[:B], self.draft_len_dev[:B]
         if self.feats is not None:
             self.feats = self.feats[:B]
-        if self.temperature is not None:
-            self.temperature, self.top_k, self.top_p = self.temperature[:B], self.top_k[:B], self.top_p[:B]
+        if self.sampling is not None:
+            self.sampling.shrink(B)

