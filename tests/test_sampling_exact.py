@@ -148,7 +148,7 @@ def simulate(logit_fn, params, tokens, paths, uniforms, renormalise=True, leaf_p
 
 
 # top-k, top-p and min-p together, where applying min-p ahead of top-p would change the law.
-MIN_P_ORDER_PARAMS = (1.3, 5, 0.8, 0.3)
+MIN_P_ORDER_PARAMS = (2.0, 6, 0.8, 0.4)
 # (temperature, top_k, top_p, min_p); min_p = 0 calls the op without min_p.
 PARAMS = [(1.0, 0, 1.0, 0.0), (0.7, 0, 0.9, 0.0), (1.3, 4, 1.0, 0.0), (0.7, 5, 0.8, 0.0), (1.0, 0, 1.0, 0.15),
           MIN_P_ORDER_PARAMS]
