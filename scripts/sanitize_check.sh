@@ -27,9 +27,14 @@ for f in "$root"/poss_ext/*.py; do ln -sf "$f" "$pkg/"; done
 
 cxx=$(sed -n 's/^CMAKE_CXX_COMPILER:[A-Z]*=//p' "$build/CMakeCache.txt")
 libasan=$("${cxx:-c++}" -print-file-name=libasan.so)
-[ -f "$libasan" ] || { echo "sanitize_check: libasan not found ($libasan)" >&2; exit 1; }
+libstdcxx=$("${cxx:-c++}" -print-file-name=libstdc++.so.6)
+for lib in "$libasan" "$libstdcxx"; do
+  [ -f "$lib" ] || { echo "sanitize_check: $lib not found" >&2; exit 1; }
+done
 
-export LD_PRELOAD="$libasan${LD_PRELOAD:+:$LD_PRELOAD}"
+# libasan first (Python is not instrumented); libstdc++ with it, or ASan's __cxa_throw interceptor
+# finds no real __cxa_throw (python does not link libstdc++) and aborts at the first C++ throw.
+export LD_PRELOAD="$libasan:$libstdcxx${LD_PRELOAD:+:$LD_PRELOAD}"
 # Python and torch leak by design at exit; any other finding aborts the run.
 export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:${ASAN_OPTIONS:-}"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:${UBSAN_OPTIONS:-}"
