@@ -1,5 +1,6 @@
 // poss::decoder_layer and poss::specialist_forward, written once on decoder_layer_forward and
-// registered for every device: the per-device work happens in the ops it dispatches to.
+// registered once as CompositeExplicitAutograd: the per-device work happens in the ops they
+// dispatch to.
 #include "poss/decoder_layer.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -163,16 +164,11 @@ at::Tensor specialist_forward_op(const at::Tensor& embeds, const at::Tensor& fea
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(poss, CPU, m) {
+// Built from other ops only, so one registration serves every device (and Meta, until a fake
+// kernel overrides it).
+TORCH_LIBRARY_IMPL(poss, CompositeExplicitAutograd, m) {
   m.impl("decoder_layer", &decoder_layer_op);
   m.impl("specialist_forward", &specialist_forward_op);
 }
-
-#ifdef POSS_WITH_CUDA
-TORCH_LIBRARY_IMPL(poss, CUDA, m) {
-  m.impl("decoder_layer", &decoder_layer_op);
-  m.impl("specialist_forward", &specialist_forward_op);
-}
-#endif
 
 }  // namespace poss

@@ -7,9 +7,11 @@
 
 TORCH_LIBRARY(poss, m) {
   // Batched acceptance of a draft tree against the target's logits (greedy or exact sampling).
+  // Sampling rows process the target's distribution as temperature, top-k, top-p, min-p (in that
+  // order, see csrc/include/poss/acceptance.h).
   m.def(
       "tree_verify(Tensor parents, Tensor tokens, Tensor logits, Tensor? temperature=None, "
-      "Tensor? top_k=None, Tensor? top_p=None, Tensor? uniforms=None) "
+      "Tensor? top_k=None, Tensor? top_p=None, Tensor? uniforms=None, Tensor? min_p=None) "
       "-> (Tensor accept_nodes, Tensor accept_len, Tensor next_token)");
 
   // The EAGLE-2 dynamic tree: the top (num_nodes - 1) draft candidates, closed under ancestors,
@@ -27,10 +29,11 @@ TORCH_LIBRARY(poss, m) {
   m.def(
       "kv_compact(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor prefix_len, Tensor accept_nodes, "
       "Tensor accept_len) -> ()");
-}
 
-// ---- Decoder-layer building blocks (issue 4). Rows are the last dimension; any leading shape. ----
-TORCH_LIBRARY_FRAGMENT(poss, m) {
+  // Decoder-layer building blocks. Rows are the last dimension; any leading shape. decoder_layer
+  // and specialist_forward are composites of the others: one CompositeExplicitAutograd kernel
+  // serves every device (csrc/decoder_layer.cpp).
+
   // out = x * rsqrt(mean(x^2) + eps) * weight, statistics in fp32.
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   // sum = x + residual (rounded to x's dtype); out = rms_norm(sum, weight, eps).

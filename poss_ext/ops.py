@@ -13,6 +13,8 @@ from torch import Tensor
 from poss_ext import reference
 
 
+# ---- Tree verification (greedy and exact sampling) --------------------------------------------
+
 
 def tree_verify(
     parents: Tensor,
@@ -22,6 +24,7 @@ def tree_verify(
     top_k: Optional[Tensor] = None,
     top_p: Optional[Tensor] = None,
     uniforms: Optional[Tensor] = None,
+    min_p: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Accept the longest valid path of a draft tree against the target's logits.
 
@@ -35,18 +38,29 @@ def tree_verify(
         top_p: ``[B] float32``, 1.0 = off.
         uniforms: ``[B, N + 1] float32`` in ``[0, 1)``; ``uniforms[b, i]`` decides node ``i``,
             ``uniforms[b, N]`` draws the next token. Required when any temperature > 0.
+        min_p: ``[B] float32`` in ``[0, 1]``, 0 = off.
 
     Returns:
         accept_nodes: ``[B, N] int32``, node ids of the accepted path, root first, then -1.
         accept_len: ``[B] int32``, accepted draft tokens (root not counted).
         next_token: ``[B] int64``, the bonus / correction token after the accepted path.
 
-    Greedy descends to the first child (node order) whose token is the argmax (lowest id on ties).
-    Sampling is exact for deterministic drafts: p = top_p(top_k(softmax(logits / T))); child x is
-    accepted when ``u < p(x) / remaining mass``, a rejected child's mass is removed, and the next
-    token is drawn from what remains (or from p itself at a leaf).
+    Greedy descends to the first child (node order) whose token is the argmax (lowest id on ties);
+    greedy requests ignore top_k, top_p and min_p.
+
+    Sampling is exact for deterministic drafts. The target's distribution p at a node is processed
+    in Hugging Face's order, each step on the survivors of the previous one, then renormalised:
+
+    1. temperature: ``softmax(logits / T)``;
+    2. top-k: keep the tokens whose logit is >= the k-th largest (ties kept);
+    3. top-p: keep the smallest set of most likely tokens whose mass reaches top_p (ties with the
+       last one kept);
+    4. min-p: keep the tokens with ``p(x) >= min_p * max p`` (the threshold rounded to float32).
+
+    Child x is accepted when ``u < p(x) / remaining mass``, a rejected child's mass is removed, and
+    the next token is drawn from what remains (or from p itself at a leaf).
     """
-    return torch.ops.poss.tree_verify(parents, tokens, logits, temperature, top_k, top_p, uniforms)
+    return torch.ops.poss.tree_verify(parents, tokens, logits, temperature, top_k, top_p, uniforms, min_p)
 
 
 def _check_same_device(ref: Tensor, **tensors: Optional[Tensor]) -> None:
@@ -59,10 +73,11 @@ def _check_same_device(ref: Tensor, **tensors: Optional[Tensor]) -> None:
 
 
 @torch.library.register_fake("poss::tree_verify")
-def _tree_verify_fake(parents, tokens, logits, temperature=None, top_k=None, top_p=None, uniforms=None):
+def _tree_verify_fake(parents, tokens, logits, temperature=None, top_k=None, top_p=None, uniforms=None,
+                      min_p=None):
     torch._check(parents.dim() == 2, lambda: "parents must be [B, N] int32")
     _check_same_device(parents, tokens=tokens, logits=logits, temperature=temperature, top_k=top_k,
-                       top_p=top_p, uniforms=uniforms)
+                       top_p=top_p, uniforms=uniforms, min_p=min_p)
     B, N = parents.shape
     return (
         parents.new_empty((B, N), dtype=torch.int32),
@@ -71,7 +86,133 @@ def _tree_verify_fake(parents, tokens, logits, temperature=None, top_k=None, top
     )
 
 
-# ---- Decoder-layer building blocks (issue 4) ------------------------------------------------
+# ---- Tree building ----------------------------------------------------------------------------
+
+
+def build_tree(
+    cand_tokens: Tensor,
+    cand_scores: Tensor,
+    cand_parents: Tensor,
+    root_token: Tensor,
+    num_nodes: int,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Assemble the EAGLE-2 dynamic draft tree from the draft's candidate beam, on the device.
+
+    Args:
+        cand_tokens: ``[B, M] int64``, the token of each candidate.
+        cand_scores: ``[B, M] float32``, cumulative draft log-prob of each candidate's path.
+            NaN is an error.
+        cand_parents: ``[B, M] int32``, ``-1`` = child of the root, else the index ``j < i`` of
+            the parent candidate; ``-2`` = empty slot (no candidate; lets requests have different
+            candidate counts).
+        root_token: ``[B] int64``, the last committed token (node 0).
+        num_nodes: tree size including the root, ``>= 1``.
+
+    Returns:
+        tokens: ``[B, num_nodes] int64``; padding nodes hold 0.
+        parents: ``[B, num_nodes] int32`` in the shared encoding (root -1, padding -2).
+        depth: ``[B, num_nodes] int32``; root 0, a child of the root 1; padding nodes 0.
+
+    Selection rule: rank the candidates by ``path_min`` (the lowest score on the path from the
+    root's child down to the candidate) descending, then by candidate index ascending, and keep
+    the first ``min(num_nodes - 1, #candidates)``, ordered by candidate index behind the root.
+    The result is always closed under ancestors (a parent ranks strictly ahead of its child). For
+    EAGLE-2's candidates (cumulative log-probs never increase along a path) ``path_min`` is the
+    score itself, so this is EAGLE-2's top-``T`` selection with ties broken toward the lower index.
+
+    Invalid values (a parent outside ``[-1, i)``, a parent that is an empty slot, a NaN score)
+    raise a RuntimeError on the CPU and trip a device-side assert on CUDA (no host sync). The CUDA
+    kernel keeps a request's candidates in shared memory: ``M <= 2048``.
+    """
+    return torch.ops.poss.build_tree(cand_tokens, cand_scores, cand_parents, root_token, num_nodes)
+
+
+@torch.library.register_fake("poss::build_tree")
+def _build_tree_fake(cand_tokens, cand_scores, cand_parents, root_token, num_nodes):
+    torch._check(cand_tokens.dim() == 2, lambda: "cand_tokens must be [B, M] int64")
+    torch._check(num_nodes >= 1, lambda: f"num_nodes must be >= 1, got {num_nodes}")
+    B = cand_tokens.shape[0]
+    return (
+        cand_tokens.new_empty((B, num_nodes), dtype=torch.int64),
+        cand_tokens.new_empty((B, num_nodes), dtype=torch.int32),
+        cand_tokens.new_empty((B, num_nodes), dtype=torch.int32),
+    )
+
+
+# ---- Tree attention ---------------------------------------------------------------------------
+
+
+def tree_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    prefix_len: Tensor,
+    parents: Tensor,
+    scale: float,
+) -> Tensor:
+    """Attention of the last ``Nq`` nodes of a draft tree over a KV cache prefix and their ancestors.
+
+    Args:
+        q: ``[B, Hq, Nq, D]`` float32 / bfloat16 / float16, the queries of tree nodes
+            ``N - Nq .. N - 1`` (``Nq = N`` to verify a whole tree; ``Nq < N`` for a draft level
+            that queries only its newest nodes). ``D`` in {64, 80, 96, 128, 256}.
+        k_cache: ``[B, Hkv, S, D]``, same dtype; ``Hq`` must be a multiple of ``Hkv`` (GQA). The
+            tree's own keys are already written at slots ``prefix_len[b] + i``. Any strides with a
+            unit stride on ``D`` are read in place.
+        v_cache: ``[B, Hkv, S, D]``, like ``k_cache``.
+        prefix_len: ``[B] int32``, committed prefix length; ``prefix_len[b] + n_real <= S``.
+        parents: ``[B, N] int32``, the tree (shared encoding). A chain (``parents[i] = i - 1``)
+            is causal attention and may have any length; other trees at most 256 real nodes.
+        scale: softmax scale, usually ``D ** -0.5``.
+
+    Returns:
+        ``[B, Hq, Nq, D]``, q's dtype. Query node ``i`` attends to slots ``[0, prefix_len[b])`` and
+        to ``prefix_len[b] + j`` for ``j`` = ``i`` or an ancestor of ``i``; padding queries are 0.
+        Softmax and accumulation are in float32.
+    """
+    return torch.ops.poss.tree_attention(q, k_cache, v_cache, prefix_len, parents, scale)
+
+
+@torch.library.register_fake("poss::tree_attention")
+def _tree_attention_fake(q, k_cache, v_cache, prefix_len, parents, scale):
+    torch._check(q.dim() == 4, lambda: "q must be [B, Hq, Nq, D]")
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+# ---- KV cache ---------------------------------------------------------------------------------
+
+
+def kv_compact(
+    k_cache: Tensor, v_cache: Tensor, prefix_len: Tensor, accept_nodes: Tensor, accept_len: Tensor
+) -> None:
+    """Move the accepted path's K/V to contiguous slots behind the prefix, for every layer, in place.
+
+    Args:
+        k_cache: ``[L, B, Hkv, S, D]`` float32 / bfloat16 / float16, contiguous in ``D``;
+            modified in place.
+        v_cache: like ``k_cache`` (same shape and dtype, separate memory); modified in place.
+        prefix_len: ``[B] int32``, the slot of tree node 0.
+        accept_nodes: ``[B, N] int32``, from ``tree_verify``: the accepted path's node ids, root
+            first, strictly increasing; entries after ``accept_len[b]`` are ignored.
+        accept_len: ``[B] int32`` in ``[0, N)``, accepted draft tokens (root not counted).
+
+    For every layer, head and ``j = 0..accept_len[b]``, slot ``prefix_len[b] + accept_nodes[b, j]``
+    is copied to slot ``prefix_len[b] + j``. Overlapping moves are handled (the result equals a
+    gather from a copy of the cache). Slots past the new end keep stale values.
+
+    Invalid move lists raise a RuntimeError on the CPU before anything moves; on CUDA they trip a
+    device-side assert (no host sync).
+    """
+    torch.ops.poss.kv_compact(k_cache, v_cache, prefix_len, accept_nodes, accept_len)
+
+
+@torch.library.register_fake("poss::kv_compact")
+def _kv_compact_fake(k_cache, v_cache, prefix_len, accept_nodes, accept_len):
+    torch._check(k_cache.dim() == 5, lambda: "k_cache must be [L, B, Hkv, S, D]")
+    return None
+
+
+# ---- Decoder layer ----------------------------------------------------------------------------
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -178,134 +319,14 @@ def _specialist_forward_fake(embeds, *args):
     return torch.empty_like(embeds)
 
 
-def tree_attention(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    prefix_len: Tensor,
-    parents: Tensor,
-    scale: float,
-) -> Tensor:
-    """Attention of the last ``Nq`` nodes of a draft tree over a KV cache prefix and their ancestors.
-
-    Args:
-        q: ``[B, Hq, Nq, D]`` float32 / bfloat16 / float16, the queries of tree nodes
-            ``N - Nq .. N - 1`` (``Nq = N`` to verify a whole tree; ``Nq < N`` for a draft level
-            that queries only its newest nodes). ``D`` in {64, 80, 96, 128, 256}.
-        k_cache: ``[B, Hkv, S, D]``, same dtype; ``Hq`` must be a multiple of ``Hkv`` (GQA). The
-            tree's own keys are already written at slots ``prefix_len[b] + i``. Any strides with a
-            unit stride on ``D`` are read in place.
-        v_cache: ``[B, Hkv, S, D]``, like ``k_cache``.
-        prefix_len: ``[B] int32``, committed prefix length; ``prefix_len[b] + n_real <= S``.
-        parents: ``[B, N] int32``, the tree (shared encoding). A chain (``parents[i] = i - 1``)
-            is causal attention and may have any length; other trees at most 256 real nodes.
-        scale: softmax scale, usually ``D ** -0.5``.
-
-    Returns:
-        ``[B, Hq, Nq, D]``, q's dtype. Query node ``i`` attends to slots ``[0, prefix_len[b])`` and
-        to ``prefix_len[b] + j`` for ``j`` = ``i`` or an ancestor of ``i``; padding queries are 0.
-        Softmax and accumulation are in float32.
-    """
-    return torch.ops.poss.tree_attention(q, k_cache, v_cache, prefix_len, parents, scale)
-
-
-@torch.library.register_fake("poss::tree_attention")
-def _tree_attention_fake(q, k_cache, v_cache, prefix_len, parents, scale):
-    torch._check(q.dim() == 4, lambda: "q must be [B, Hq, Nq, D]")
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
+# ---- Devices without compiled kernels ---------------------------------------------------------
 
 
 def _register_fallbacks(build_info: dict) -> None:
     """Serve the ops on CUDA tensors with the pure-PyTorch references when no CUDA kernel was built."""
     if build_info["cuda"]:
         return
-    torch.library.register_kernel("poss::tree_verify", "CUDA", reference.tree_verify)
-    torch.library.register_kernel("poss::build_tree", "CUDA", reference.build_tree)
-    torch.library.register_kernel("poss::kv_compact", "CUDA", reference.kv_compact)
-    for name in ("rms_norm", "add_rms_norm", "swiglu", "rope_qkv", "decoder_layer", "specialist_forward"):
+    # decoder_layer and specialist_forward are composites: they dispatch to these.
+    for name in ("tree_verify", "build_tree", "tree_attention", "kv_compact", "rms_norm", "add_rms_norm",
+                 "swiglu", "rope_qkv"):
         torch.library.register_kernel(f"poss::{name}", "CUDA", getattr(reference, name))
-    torch.library.register_kernel("poss::tree_attention", "CUDA", reference.tree_attention)
-
-
-# ---------------------------------------------------------------------------------------------
-# build_tree and kv_compact
-
-
-def build_tree(
-    cand_tokens: Tensor,
-    cand_scores: Tensor,
-    cand_parents: Tensor,
-    root_token: Tensor,
-    num_nodes: int,
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """Assemble the EAGLE-2 dynamic draft tree from the draft's candidate beam, on the device.
-
-    Args:
-        cand_tokens: ``[B, M] int64``, the token of each candidate.
-        cand_scores: ``[B, M] float32``, cumulative draft log-prob of each candidate's path.
-            NaN is an error.
-        cand_parents: ``[B, M] int32``, ``-1`` = child of the root, else the index ``j < i`` of
-            the parent candidate; ``-2`` = empty slot (no candidate; lets requests have different
-            candidate counts).
-        root_token: ``[B] int64``, the last committed token (node 0).
-        num_nodes: tree size including the root, ``>= 1``.
-
-    Returns:
-        tokens: ``[B, num_nodes] int64``; padding nodes hold 0.
-        parents: ``[B, num_nodes] int32`` in the shared encoding (root -1, padding -2).
-        depth: ``[B, num_nodes] int32``; root 0, a child of the root 1; padding nodes 0.
-
-    Selection rule: rank the candidates by ``path_min`` (the lowest score on the path from the
-    root's child down to the candidate) descending, then by candidate index ascending, and keep
-    the first ``min(num_nodes - 1, #candidates)``, ordered by candidate index behind the root.
-    The result is always closed under ancestors (a parent ranks strictly ahead of its child). For
-    EAGLE-2's candidates (cumulative log-probs never increase along a path) ``path_min`` is the
-    score itself, so this is EAGLE-2's top-``T`` selection with ties broken toward the lower index.
-
-    Invalid values (a parent outside ``[-1, i)``, a parent that is an empty slot, a NaN score)
-    raise a RuntimeError on the CPU and trip a device-side assert on CUDA (no host sync). The CUDA
-    kernel keeps a request's candidates in shared memory: ``M <= 2048``.
-    """
-    return torch.ops.poss.build_tree(cand_tokens, cand_scores, cand_parents, root_token, num_nodes)
-
-
-@torch.library.register_fake("poss::build_tree")
-def _build_tree_fake(cand_tokens, cand_scores, cand_parents, root_token, num_nodes):
-    torch._check(cand_tokens.dim() == 2, lambda: "cand_tokens must be [B, M] int64")
-    torch._check(num_nodes >= 1, lambda: f"num_nodes must be >= 1, got {num_nodes}")
-    B = cand_tokens.shape[0]
-    return (
-        cand_tokens.new_empty((B, num_nodes), dtype=torch.int64),
-        cand_tokens.new_empty((B, num_nodes), dtype=torch.int32),
-        cand_tokens.new_empty((B, num_nodes), dtype=torch.int32),
-    )
-
-
-def kv_compact(
-    k_cache: Tensor, v_cache: Tensor, prefix_len: Tensor, accept_nodes: Tensor, accept_len: Tensor
-) -> None:
-    """Move the accepted path's K/V to contiguous slots behind the prefix, for every layer, in place.
-
-    Args:
-        k_cache: ``[L, B, Hkv, S, D]`` float32 / bfloat16 / float16, contiguous in ``D``;
-            modified in place.
-        v_cache: like ``k_cache`` (same shape and dtype, separate memory); modified in place.
-        prefix_len: ``[B] int32``, the slot of tree node 0.
-        accept_nodes: ``[B, N] int32``, from ``tree_verify``: the accepted path's node ids, root
-            first, strictly increasing; entries after ``accept_len[b]`` are ignored.
-        accept_len: ``[B] int32`` in ``[0, N)``, accepted draft tokens (root not counted).
-
-    For every layer, head and ``j = 0..accept_len[b]``, slot ``prefix_len[b] + accept_nodes[b, j]``
-    is copied to slot ``prefix_len[b] + j``. Overlapping moves are handled (the result equals a
-    gather from a copy of the cache). Slots past the new end keep stale values.
-
-    Invalid move lists raise a RuntimeError on the CPU before anything moves; on CUDA they trip a
-    device-side assert (no host sync).
-    """
-    torch.ops.poss.kv_compact(k_cache, v_cache, prefix_len, accept_nodes, accept_len)
-
-
-@torch.library.register_fake("poss::kv_compact")
-def _kv_compact_fake(k_cache, v_cache, prefix_len, accept_nodes, accept_len):
-    torch._check(k_cache.dim() == 5, lambda: "k_cache must be [L, B, Hkv, S, D]")
-    return None

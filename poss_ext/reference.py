@@ -30,12 +30,16 @@ def children_lists(parents_row: List[int]) -> List[List[int]]:
     return children
 
 
-def processed_weights(row: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
+# ---- Tree verification and sampling -----------------------------------------------------------
+
+
+def processed_weights(row: Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> Tensor:
     """The target's sampling distribution at one node, unnormalised, as float64 ``[V]``.
 
     softmax(row / temperature), then top-k (every token tied with the k-th largest logit stays),
     then top-p over the renormalised result (the smallest set of most likely tokens whose mass
-    reaches top_p; every token tied with the last one stays).
+    reaches top_p; every token tied with the last one stays), then min-p over what survived (the
+    tokens whose weight is >= min_p times the largest weight, that product rounded to float32).
     """
     x = row.float()
     if torch.isnan(x).any():
@@ -52,6 +56,9 @@ def processed_weights(row: Tensor, temperature: float, top_k: int, top_p: float)
         desc = torch.sort(w, descending=True).values
         crossing = int(torch.searchsorted(torch.cumsum(desc, 0), top_p * w.sum()))
         w = torch.where(w >= desc[min(crossing, len(desc) - 1)], w, torch.zeros_like(w))
+    if min_p > 0.0:
+        floor = torch.tensor(min_p, dtype=torch.float32) * w.max().float()  # a float32 product
+        w = torch.where(w >= floor.double(), w, torch.zeros_like(w))
     return w
 
 
@@ -71,6 +78,7 @@ def tree_verify(
     top_k: Optional[Tensor] = None,
     top_p: Optional[Tensor] = None,
     uniforms: Optional[Tensor] = None,
+    min_p: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Reference of ``torch.ops.poss.tree_verify``; see ``poss_ext.ops.tree_verify`` for the contract."""
     B, N = parents.shape
@@ -99,9 +107,10 @@ def tree_verify(
                 raise RuntimeError("uniforms is required when any temperature > 0")
             k = 0 if top_k is None else int(top_k[b])
             p = 1.0 if top_p is None else float(top_p[b])
+            mp = 0.0 if min_p is None else float(min_p[b])
             u = uniforms[b].tolist()
             while True:
-                w = processed_weights(logits[b, path[-1]], temp, k, p)
+                w = processed_weights(logits[b, path[-1]], temp, k, p, mp)
                 accepted = None
                 for c in children[path[-1]]:
                     x = tok[b][c]
@@ -119,8 +128,7 @@ def tree_verify(
     return accept_nodes.to(device), accept_len.to(device), next_token.to(device)
 
 
-# ---------------------------------------------------------------------------------------------
-# build_tree and kv_compact
+# ---- Tree building ----------------------------------------------------------------------------
 
 
 def build_tree(
@@ -168,6 +176,54 @@ def build_tree(
     return tokens.to(device), parents.to(device), depth.to(device)
 
 
+# ---- Tree attention ---------------------------------------------------------------------------
+
+
+def tree_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    prefix_len: Tensor,
+    parents: Tensor,
+    scale: float,
+) -> Tensor:
+    """Reference of ``torch.ops.poss.tree_attention``; see ``poss_ext.ops.tree_attention``.
+
+    One request and one query head at a time: build the visibility mask over the cache slots
+    (the prefix, then the query node's ancestors and itself), softmax in float32, then V.
+    """
+    B, Hq, Nq, D = q.shape
+    Hkv, N = k_cache.shape[1], parents.shape[1]
+    group = Hq // Hkv
+    out = torch.zeros_like(q)
+    par = parents.tolist()
+    for b in range(B):
+        prefix = int(prefix_len[b])
+        n = real_nodes(par[b])
+        # visible[i, j]: tree node j is node i or one of its ancestors.
+        visible = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            visible[i, i] = True
+            if i > 0:
+                visible[i] |= visible[par[b][i]]
+        for qi in range(Nq):
+            node = N - Nq + qi
+            if node >= n:
+                continue  # padding query: output stays zero
+            keys = list(range(prefix)) + [prefix + j for j in range(n) if visible[node, j]]
+            idx = torch.tensor(keys, dtype=torch.long, device=q.device)
+            for hq in range(Hq):
+                h = hq // group
+                k = k_cache[b, h].index_select(0, idx).float()
+                v = v_cache[b, h].index_select(0, idx).float()
+                p = torch.softmax((k @ q[b, hq, qi].float()) * scale, dim=0)
+                out[b, hq, qi] = (p @ v).to(q.dtype)
+    return out
+
+
+# ---- KV cache ---------------------------------------------------------------------------------
+
+
 def kv_compact(
     k_cache: Tensor, v_cache: Tensor, prefix_len: Tensor, accept_nodes: Tensor, accept_len: Tensor
 ) -> None:
@@ -193,7 +249,7 @@ def kv_compact(
             cache[:, b, :, dst] = cache[:, b, :, :].index_select(2, src).clone()
 
 
-# ---- Decoder-layer building blocks (issue 4) ------------------------------------------------
+# ---- Decoder layer ----------------------------------------------------------------------------
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -245,7 +301,7 @@ def rope_qkv(qkv: Tensor, positions: Tensor, inv_freq: Tensor, k_cache: Tensor, 
 
 def decoder_layer(x, in_norm_w, w_qkv, b_qkv, w_o, post_norm_w, w_gate_up, w_down, k_cache, v_cache,
                   prefix_len, parents, positions, inv_freq, num_heads, num_kv_heads, eps):
-    """Reference of ``poss::decoder_layer`` built from the references above and ``tree_attention``."""
+    """Reference of ``poss::decoder_layer``, built from the other references in this module."""
     B, T, H = x.shape
     D = k_cache.shape[-1]
     N = parents.shape[1]
@@ -253,7 +309,7 @@ def decoder_layer(x, in_norm_w, w_qkv, b_qkv, w_o, post_norm_w, w_gate_up, w_dow
     qkv = torch.nn.functional.linear(a, w_qkv, b_qkv)
     start = (prefix_len + (N - T)).to(torch.int32)
     q = rope_qkv(qkv, positions, inv_freq, k_cache, v_cache, start, num_heads, num_kv_heads)
-    attn = torch.ops.poss.tree_attention(q, k_cache, v_cache, prefix_len, parents, D ** -0.5)
+    attn = tree_attention(q, k_cache, v_cache, prefix_len, parents, D ** -0.5)
     o = attn.transpose(1, 2).reshape(B, T, num_heads * D) @ w_o.t()
     m_in, h = add_rms_norm(o, x, post_norm_w, eps)
     return h + swiglu(m_in @ w_gate_up.t()) @ w_down.t()
@@ -266,45 +322,3 @@ def specialist_forward(embeds, features, fc_w, fc_b, w_qkv, w_o, post_norm_w, w_
     u = torch.nn.functional.linear(torch.cat([embeds, features], -1), fc_w, fc_b)
     return decoder_layer(u, None, w_qkv, None, w_o, post_norm_w, w_gate_up, w_down, k_cache, v_cache,
                          prefix_len, parents, positions, inv_freq, num_heads, num_kv_heads, eps)
-
-
-def tree_attention(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    prefix_len: Tensor,
-    parents: Tensor,
-    scale: float,
-) -> Tensor:
-    """Reference of ``torch.ops.poss.tree_attention``; see ``poss_ext.ops.tree_attention``.
-
-    One request and one query head at a time: build the visibility mask over the cache slots
-    (the prefix, then the query node's ancestors and itself), softmax in float32, then V.
-    """
-    B, Hq, Nq, D = q.shape
-    Hkv, N = k_cache.shape[1], parents.shape[1]
-    group = Hq // Hkv
-    out = torch.zeros_like(q)
-    par = parents.tolist()
-    for b in range(B):
-        prefix = int(prefix_len[b])
-        n = real_nodes(par[b])
-        # visible[i, j]: tree node j is node i or one of its ancestors.
-        visible = torch.zeros(n, n, dtype=torch.bool)
-        for i in range(n):
-            visible[i, i] = True
-            if i > 0:
-                visible[i] |= visible[par[b][i]]
-        for qi in range(Nq):
-            node = N - Nq + qi
-            if node >= n:
-                continue  # padding query: output stays zero
-            keys = list(range(prefix)) + [prefix + j for j in range(n) if visible[node, j]]
-            idx = torch.tensor(keys, dtype=torch.long, device=q.device)
-            for hq in range(Hq):
-                h = hq // group
-                k = k_cache[b, h].index_select(0, idx).float()
-                v = v_cache[b, h].index_select(0, idx).float()
-                p = torch.softmax((k @ q[b, hq, qi].float()) * scale, dim=0)
-                out[b, hq, qi] = (p @ v).to(q.dtype)
-    return out

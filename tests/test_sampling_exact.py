@@ -30,18 +30,34 @@ def target_logits(rng_seed: int = 0):
     return lambda prefix: a[prefix[-1]] + b[prefix[-2]]
 
 
-def processed(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
-    """softmax(logits / T) -> top-k (ties kept) -> top-p (ties kept), normalised, in float64."""
+def processed(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float = 0.0,
+              min_p_rule: str = "right") -> np.ndarray:
+    """softmax(logits / T) -> top-k (ties kept) -> top-p (ties kept) -> min-p, normalised, in float64.
+
+    min_p_rule other than "right" simulates a wrong min-p: "before-top-p" applies it ahead of top-p,
+    "absolute" keeps p(x) >= min_p instead of p(x) >= min_p * max p.
+    """
     z = logits / temperature
     p = np.exp(z - z.max())
     if 0 < top_k < len(p):
         p[logits < np.sort(logits)[::-1][top_k - 1]] = 0.0
     p /= p.sum()
+
+    def apply_min_p(p):
+        if min_p > 0.0:
+            p[p < min_p * (1.0 if min_p_rule == "absolute" else p.max())] = 0.0
+            p /= p.sum()
+        return p
+
+    if min_p_rule == "before-top-p":
+        p = apply_min_p(p)
     if top_p < 1.0:
         desc = np.sort(p)[::-1]
         cut = desc[min(np.searchsorted(np.cumsum(desc), top_p), len(desc) - 1)]
         p[p < cut] = 0.0
         p /= p.sum()
+    if min_p_rule != "before-top-p":
+        p = apply_min_p(p)
     return p
 
 
@@ -90,11 +106,11 @@ def chi_square_p(samples: np.ndarray, joint: np.ndarray) -> float:
     return float(stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue)
 
 
-def simulate(logit_fn, params, tokens, paths, uniforms, renormalise=True, leaf_processor=True):
+def simulate(logit_fn, params, tokens, paths, uniforms, renormalise=True, leaf_processor=True, min_p_rule="right"):
     """The acceptance walk in numpy, vectorised over draws, with switchable (wrong) rules."""
     n = len(PARENTS)
     children = {i: [c for c in range(1, n) if PARENTS[c] == i] for i in range(n)}
-    probs = {i: processed(logit_fn(paths[i]), *params) for i in range(n)}
+    probs = {i: processed(logit_fn(paths[i]), *params, min_p_rule=min_p_rule) for i in range(n)}
     raw = {i: processed(logit_fn(paths[i]), 1.0, 0, 1.0) for i in range(n)}
     D = len(uniforms)
     cur = np.zeros(D, np.int64)
@@ -131,10 +147,14 @@ def simulate(logit_fn, params, tokens, paths, uniforms, renormalise=True, leaf_p
     return nodes, length, nxt
 
 
-PARAMS = [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 4, 1.0), (0.7, 5, 0.8)]
+# top-k, top-p and min-p together, where applying min-p ahead of top-p would change the law.
+MIN_P_ORDER_PARAMS = (2.0, 6, 0.8, 0.4)
+# (temperature, top_k, top_p, min_p); min_p = 0 calls the op without min_p.
+PARAMS = [(1.0, 0, 1.0, 0.0), (0.7, 0, 0.9, 0.0), (1.3, 4, 1.0, 0.0), (0.7, 5, 0.8, 0.0), (1.0, 0, 1.0, 0.15),
+          MIN_P_ORDER_PARAMS]
 
 
-@pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"T{p[0]}-k{p[1]}-p{p[2]}")
+@pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"T{p[0]}-k{p[1]}-p{p[2]}-minp{p[3]}")
 def test_tree_verify_samples_the_target_exactly(params):
     logit_fn = target_logits()
     tokens, paths = tree_tokens(logit_fn, params)
@@ -142,7 +162,7 @@ def test_tree_verify_samples_the_target_exactly(params):
     logits = torch.tensor(np.stack([logit_fn(paths[i]) for i in range(n)]), dtype=torch.float32)
     gen = torch.Generator().manual_seed(1)
     uniforms = torch.rand(DRAWS, n + 1, generator=gen)
-    temperature, top_k, top_p = params
+    temperature, top_k, top_p, min_p = params
     nodes, length, nxt = poss_ext.tree_verify(
         torch.tensor([PARENTS], dtype=torch.int32).expand(DRAWS, n),
         torch.tensor([tokens]).expand(DRAWS, n),
@@ -151,6 +171,7 @@ def test_tree_verify_samples_the_target_exactly(params):
         torch.full((DRAWS,), top_k, dtype=torch.int32),
         torch.full((DRAWS,), top_p),
         uniforms,
+        min_p=torch.full((DRAWS,), min_p) if min_p > 0 else None,
     )
     assert int(length.max()) >= 2, "the tree never accepted two tokens: the test would be weak"
     samples = first_two(logit_fn, params, tokens, nodes.numpy(), length.numpy(), nxt.numpy(), np.random.default_rng(2))
@@ -159,15 +180,16 @@ def test_tree_verify_samples_the_target_exactly(params):
 
 
 @pytest.mark.parametrize(
-    "rule",
+    "rule,params",
     [
-        dict(renormalise=False, leaf_processor=True),  # accept with p(x), not p(x) / remaining mass
-        dict(renormalise=True, leaf_processor=False),  # the PosS/HASS leaf-bonus bug
+        (dict(renormalise=False), (0.7, 5, 0.8, 0.0)),  # accept with p(x), not p(x) / remaining mass
+        (dict(leaf_processor=False), (0.7, 5, 0.8, 0.0)),  # the PosS/HASS leaf-bonus bug
+        (dict(min_p_rule="absolute"), (1.0, 0, 1.0, 0.15)),  # p(x) >= min_p, not min_p * max p
+        (dict(min_p_rule="before-top-p"), MIN_P_ORDER_PARAMS),  # min-p ahead of top-p
     ],
-    ids=["no-renormalise", "leaf-bonus-without-processor"],
+    ids=["no-renormalise", "leaf-bonus-without-processor", "min-p-absolute", "min-p-before-top-p"],
 )
-def test_wrong_rules_fail_the_same_test(rule):
-    params = (0.7, 5, 0.8)
+def test_wrong_rules_fail_the_same_test(rule, params):
     logit_fn = target_logits()
     tokens, paths = tree_tokens(logit_fn, params)
     uniforms = np.random.default_rng(3).random((DRAWS, len(PARENTS) + 1))

@@ -9,16 +9,18 @@ from hypothesis import strategies as st
 import poss_ext
 from poss_ext import reference
 from helpers.devices import devices
-from helpers.tree_cases import make_case, sampling_params
+from helpers.tree_cases import make_case, min_p_values, sampling_params
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def run_both(device, parents, tokens, logits, temperature=None, top_k=None, top_p=None, uniforms=None):
+def run_both(device, parents, tokens, logits, temperature=None, top_k=None, top_p=None, uniforms=None,
+             min_p=None):
     """(op on `device`, reference on the CPU), both as CPU tensors."""
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
-    got = poss_ext.tree_verify(to(parents), to(tokens), to(logits), to(temperature), to(top_k), to(top_p), to(uniforms))
-    want = reference.tree_verify(parents, tokens, logits, temperature, top_k, top_p, uniforms)
+    got = poss_ext.tree_verify(to(parents), to(tokens), to(logits), to(temperature), to(top_k), to(top_p), to(uniforms),
+                               min_p=to(min_p))
+    want = reference.tree_verify(parents, tokens, logits, temperature, top_k, top_p, uniforms, min_p)
     return [g.cpu() for g in got], want
 
 
@@ -36,7 +38,7 @@ def assert_same(got, want):
     V=st.sampled_from([1, 2, 7, 64, 300]),
     shape=st.sampled_from(["random", "chain", "star"]),
     dtype=st.sampled_from(DTYPES),
-    mode=st.sampled_from(["greedy", "mixed"]),
+    mode=st.sampled_from(["greedy", "mixed", "mixed-min-p"]),
 )
 def test_matches_reference_on_random_trees(device, seed, B, N, V, shape, dtype, mode):
     rng = np.random.default_rng(seed)
@@ -47,25 +49,27 @@ def test_matches_reference_on_random_trees(device, seed, B, N, V, shape, dtype, 
     else:
         temperature, top_k, top_p = sampling_params(rng, B, V)
         uniforms = torch.from_numpy(rng.random((B, N + 1), dtype=np.float32))
-        got, want = run_both(device, parents, tokens, logits, temperature, top_k, top_p, uniforms)
+        min_p = min_p_values(rng, B) if mode == "mixed-min-p" else None
+        got, want = run_both(device, parents, tokens, logits, temperature, top_k, top_p, uniforms, min_p)
     assert_same(got, want)
 
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("shape", ["random", "chain", "star"])
-@pytest.mark.parametrize("greedy", [True, False])
-def test_thousands_of_trees(device, shape, greedy):
-    """400 trees per case, 2,400 in all, with many deep accepted paths."""
+@pytest.mark.parametrize("mode", ["greedy", "sampling", "min-p"])
+def test_thousands_of_trees(device, shape, mode):
+    """400 trees per case, 3,600 in all, with many deep accepted paths."""
     rng = np.random.default_rng(1234)
     for _ in range(20):
         B, N, V = 20, int(rng.integers(2, 64)), int(rng.integers(2, 200))
         parents, tokens, logits = make_case(rng, B, N, V, shape, match_prob=0.8)
-        if greedy:
+        if mode == "greedy":
             got, want = run_both(device, parents, tokens, logits)
         else:
             temperature, top_k, top_p = sampling_params(rng, B, V, greedy_frac=0.0)
             uniforms = torch.from_numpy(rng.random((B, N + 1), dtype=np.float32))
-            got, want = run_both(device, parents, tokens, logits, temperature, top_k, top_p, uniforms)
+            min_p = min_p_values(rng, B) if mode == "min-p" else None
+            got, want = run_both(device, parents, tokens, logits, temperature, top_k, top_p, uniforms, min_p)
         assert_same(got, want)
 
 
@@ -81,8 +85,9 @@ def test_large_trees_and_vocab(device, dtype, shape):
     temperature = torch.tensor([0.0, 0.7, 1.0, 1.3])
     top_k = torch.tensor([0, 50, 0, 1000], dtype=torch.int32)
     top_p = torch.tensor([1.0, 0.9, 0.8, 1.0])
+    min_p = torch.tensor([0.5, 0.0, 0.05, 0.1])  # the greedy row ignores its min_p
     uniforms = torch.from_numpy(rng.random((B, N + 1), dtype=np.float32))
-    got, want = run_both(device, parents, tokens, logits, temperature, top_k, top_p, uniforms)
+    got, want = run_both(device, parents, tokens, logits, temperature, top_k, top_p, uniforms, min_p)
     assert_same(got, want)
     if shape == "chain":  # deep paths were exercised, not just the root
         assert int(got[1].max()) >= 10
@@ -118,14 +123,64 @@ def test_uniform_zero_never_accepts_a_zero_mass_child(device):
     assert got[1].tolist() == [0] and got[2].tolist() == [0]
 
 
+@pytest.mark.parametrize("device", devices())
+def test_min_p_rule_by_hand(device):
+    """min-p keeps p(x) >= min_p * max p, after top-p, and a rejected child leaves only survivors."""
+    V = 4
+    # probabilities proportional to 8, 4, 2, 1 at T = 1
+    row = torch.log(torch.tensor([8.0, 4.0, 2.0, 1.0]))
+    parents = torch.tensor([[-1, 0, 0]], dtype=torch.int32)
+    tokens = torch.tensor([[0, 2, 0]])
+    logits = row.expand(1, 3, V).contiguous()
+    one = torch.ones(1, device=device)
+
+    def run(min_p, u):
+        return poss_ext.tree_verify(
+            parents.to(device), tokens.to(device), logits.to(device), one, None, None,
+            torch.tensor([u], device=device), min_p=None if min_p is None else torch.tensor([min_p], device=device),
+        )
+
+    # min_p = 0.3: floor 0.3 * 8 = 2.4 removes tokens 2 and 3; node 1 (token 2) can never be accepted,
+    # node 2 (token 0) is accepted with probability 8 / 12.
+    nodes, length, nxt = run(0.3, [0.0, 0.0, 0.6, 0.0])
+    assert length.tolist() == [1] and nodes.cpu().tolist() == [[0, 2, -1]]
+    nodes, length, nxt = run(0.3, [0.0, 0.0, 0.7, 0.99])
+    assert length.tolist() == [0] and nxt.tolist() == [1]  # token 0 rejected: only token 1 is left
+    # min_p = 0.2: the floor 1.6 keeps token 2, and u = 0 accepts node 1.
+    nodes, length, nxt = run(0.2, [0.0, 0.0, 0.0, 0.0])
+    assert length.tolist() == [1] and nodes.cpu().tolist() == [[0, 1, -1]]
+    # min_p = 0 and no min_p are the same call.
+    for u in ([0.0, 0.9, 0.1, 0.5], [0.0, 0.99, 0.99, 0.99]):
+        assert [t.tolist() for t in run(0.0, u)] == [t.tolist() for t in run(None, u)]
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("top_p,min_p,kept", [(0.52, 0.3, {0, 1}), (0.8, 0.0, {0, 1, 2}), (0.8, 0.4, {0, 1})])
+def test_min_p_comes_after_top_p(device, top_p, min_p, kept):
+    """min-p measures against the survivors of top-p; the other order would keep only token 0 in the
+    first case (min-p keeps {0, 1, 2}, whose renormalised top token, 0.5 / 0.9, alone reaches 0.52)."""
+    V = 4
+    row = torch.log(torch.tensor([0.5, 0.22, 0.18, 0.1]))
+    draws = torch.linspace(0, 0.999, 500).view(-1, 1).repeat(1, 2)  # u[N] sweeps [0, 1)
+    B = draws.shape[0]
+    _, _, nxt = poss_ext.tree_verify(
+        torch.full((B, 1), -1, dtype=torch.int32, device=device), torch.zeros(B, 1, dtype=torch.int64, device=device),
+        row.expand(B, 1, V).contiguous().to(device), torch.ones(B, device=device), None,
+        torch.full((B,), top_p, device=device), draws.to(device), min_p=torch.full((B,), min_p, device=device),
+    )
+    assert set(nxt.cpu().tolist()) == kept
+
+
 def test_opcheck():
     rng = np.random.default_rng(0)
     parents, tokens, logits = make_case(rng, 3, 9, 33, "random")
     temperature, top_k, top_p = sampling_params(rng, 3, 33)
     uniforms = torch.from_numpy(rng.random((3, 10), dtype=np.float32))
+    min_p = torch.tensor([0.1, 0.0, 0.5])
     for args in [
         (parents, tokens, logits),
         (parents, tokens, logits.bfloat16(), temperature, top_k, top_p, uniforms),
+        (parents, tokens, logits, temperature, top_k, top_p, uniforms, min_p),
     ]:
         torch.library.opcheck(torch.ops.poss.tree_verify.default, args)
 

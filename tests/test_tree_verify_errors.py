@@ -21,6 +21,7 @@ def good(B=2, N=5, V=11):
         top_k=torch.zeros(B, dtype=torch.int32),
         top_p=torch.ones(B),
         uniforms=torch.rand(B, N + 1) * 0.99,
+        min_p=torch.full((B,), 0.05),
     )
 
 
@@ -62,6 +63,12 @@ CASES = [
     ("top_k", with_(top_k=torch.zeros(2, dtype=torch.int64)), "top_k must be Int"),
     ("top_p", with_(top_p=torch.zeros(2)), r"top_p\[0\] = 0 must be in \(0, 1\]"),
     ("top_p", with_(top_p=torch.full((2,), 1.5)), r"top_p\[0\] = 1.5"),
+    ("min_p", with_(min_p=torch.full((2,), -0.1)), r"min_p\[0\] = -0.1 must be in \[0, 1\]"),
+    ("min_p", with_(min_p=torch.full((2,), 1.5)), r"min_p\[0\] = 1.5 must be in \[0, 1\]"),
+    ("min_p", with_(min_p=torch.tensor([0.1, float("nan")])), r"min_p\[1\] = nan must be in \[0, 1\]"),
+    ("min_p", with_(min_p=torch.full((2,), 0.1, dtype=torch.float64)), "min_p must be Float"),
+    ("min_p", with_(min_p=torch.full((3,), 0.1)), r"min_p.size\(0\) must equal B"),
+    ("min_p", with_(min_p=torch.full((2, 1), 0.1)), "min_p must be 1-D"),
     ("uniforms", with_(uniforms=None), "uniforms .* is required when any temperature > 0"),
     ("uniforms", with_(uniforms=torch.rand(2, 5)), r"uniforms.size\(1\) must equal N \+ 1"),
     ("uniforms", with_(uniforms=torch.ones(2, 6)), r"uniforms\[0, 0\] = 1 must be in \[0, 1\)"),
@@ -85,10 +92,18 @@ def test_greedy_nan_row_is_an_error():
         call(args)
 
 
-def test_device_mismatch_is_an_error():
+@pytest.mark.parametrize("name", ["tokens", "min_p"])
+def test_device_mismatch_is_an_error(name):
     args = good()
-    args["tokens"] = args["tokens"].to("meta")
-    with pytest.raises(RuntimeError, match="tokens must be on the same device as parents"):
+    args[name] = args[name].to("meta")
+    with pytest.raises(RuntimeError, match=f"{name} must be on the same device as parents"):
+        call(args)
+
+
+def test_greedy_rows_still_validate_min_p():
+    """min_p is checked for every request, even when all of them are greedy (it is then unused)."""
+    args = with_(temperature=None, uniforms=None, min_p=torch.full((2,), 2.0))
+    with pytest.raises(RuntimeError, match=r"min_p\[0\] = 2 must be in \[0, 1\]"):
         call(args)
 
 

@@ -116,34 +116,38 @@ struct CpuSamplingRow {
   std::vector<float>& bin_vals;
   std::vector<double>& sums;
 
-  double prepare(int32_t node, SamplingParams sp) {
+  double softmax_top_k(int32_t node, float temperature, int32_t top_k) {
     const float* x = row_as_float(logits + node * V, V, w);
     const float m = row_max(x, V);
     TORCH_CHECK(std::isfinite(m), "tree_verify: logits[", request, ", ", node, "] ",
                 std::isnan(m) ? "contains NaN" : "has no finite maximum",
                 "; cannot form a sampling distribution");
     float keep_from = -std::numeric_limits<float>::infinity();
-    if (sp.top_k > 0 && sp.top_k < V) keep_from = select_threshold<false>(x, V, sp.top_k, bin_vals);
-    const Vec vm(m), vscale(1.0f / sp.temperature), vfloor(keep_from), zero(0.0f);
+    if (top_k > 0 && top_k < V) keep_from = select_threshold<false>(x, V, top_k, bin_vals);
+    const Vec vm(m), vscale(1.0f / temperature), vfloor(keep_from), zero(0.0f);
     int64_t i = 0;
     for (; i + Vec::size() <= V; i += Vec::size()) {
       const Vec xv = Vec::loadu(x + i);
       const Vec e = ((xv - vm) * vscale).exp();
       Vec::blendv(zero, e, xv >= vfloor).store(w + i);
     }
-    for (; i < V; ++i) w[i] = x[i] >= keep_from ? std::exp((x[i] - m) / sp.temperature) : 0.0f;
-    double total = block_sums(w, V, sums);
-    if (sp.top_p < 1.0f) {
-      const float w_floor = select_threshold<true>(w, V, sp.top_p * total, bin_vals);
-      const Vec vwf(w_floor);
-      for (i = 0; i + Vec::size() <= V; i += Vec::size()) {
-        const Vec wv = Vec::loadu(w + i);
-        Vec::blendv(zero, wv, wv >= vwf).store(w + i);
-      }
-      for (; i < V; ++i) w[i] = w[i] >= w_floor ? w[i] : 0.0f;
-      total = block_sums(w, V, sums);
+    for (; i < V; ++i) w[i] = x[i] >= keep_from ? std::exp((x[i] - m) / temperature) : 0.0f;
+    return block_sums(w, V, sums);
+  }
+
+  float mass_floor(double target) { return select_threshold<true>(w, V, target, bin_vals); }
+
+  float max_weight() const { return row_max(w, V); }
+
+  double keep_at_least(float floor) {
+    const Vec vfloor(floor), zero(0.0f);
+    int64_t i = 0;
+    for (; i + Vec::size() <= V; i += Vec::size()) {
+      const Vec wv = Vec::loadu(w + i);
+      Vec::blendv(zero, wv, wv >= vfloor).store(w + i);
     }
-    return total;
+    for (; i < V; ++i) w[i] = w[i] >= floor ? w[i] : 0.0f;
+    return block_sums(w, V, sums);
   }
 
   double weight(int64_t token) const { return w[token]; }
@@ -174,7 +178,8 @@ struct CpuSamplingRow {
 
 void check_values(const at::Tensor& parents, const at::Tensor& tokens, int64_t V,
                   const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
-                  const std::optional<at::Tensor>& uniforms, bool sampling) {
+                  const at::Tensor& min_p, const std::optional<at::Tensor>& uniforms,
+                  bool sampling) {
   const int64_t B = parents.size(0), N = parents.size(1);
   const auto* par = parents.data_ptr<int32_t>();
   const auto* tok = tokens.data_ptr<int64_t>();
@@ -185,12 +190,15 @@ void check_values(const at::Tensor& parents, const at::Tensor& tokens, int64_t V
   const auto* t = temperature.data_ptr<float>();
   const auto* k = top_k.data_ptr<int32_t>();
   const auto* p = top_p.data_ptr<float>();
+  const auto* mp = min_p.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(std::isfinite(t[b]) && t[b] >= 0.0f, "temperature[", b, "] = ", t[b],
                 " must be finite and >= 0 (0 = greedy)");
     TORCH_CHECK(k[b] >= 0, "top_k[", b, "] = ", k[b], " must be >= 0 (0 = off)");
     TORCH_CHECK(p[b] > 0.0f && p[b] <= 1.0f, "top_p[", b, "] = ", p[b],
                 " must be in (0, 1] (1 = off)");
+    TORCH_CHECK(mp[b] >= 0.0f && mp[b] <= 1.0f, "min_p[", b, "] = ", mp[b],
+                " must be in [0, 1] (0 = off)");
   }
   if (sampling) {
     const auto* u = uniforms->data_ptr<float>();
@@ -204,9 +212,10 @@ void check_values(const at::Tensor& parents, const at::Tensor& tokens, int64_t V
 std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_verify_cpu(
     const at::Tensor& parents_in, const at::Tensor& tokens_in, const at::Tensor& logits_in,
     const std::optional<at::Tensor>& temperature_in, const std::optional<at::Tensor>& top_k_in,
-    const std::optional<at::Tensor>& top_p_in, const std::optional<at::Tensor>& uniforms_in) {
+    const std::optional<at::Tensor>& top_p_in, const std::optional<at::Tensor>& uniforms_in,
+    const std::optional<at::Tensor>& min_p_in) {
   const auto [B, N, V] = check_tree_verify_args(parents_in, tokens_in, logits_in, temperature_in,
-                                                top_k_in, top_p_in, uniforms_in);
+                                                top_k_in, top_p_in, uniforms_in, min_p_in);
   const at::Tensor parents = parents_in.contiguous(), tokens = tokens_in.contiguous(),
                    logits = logits_in.contiguous();
   const auto opts = parents.options();
@@ -215,10 +224,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_verify_cpu(
   const at::Tensor top_k = top_k_in ? top_k_in->contiguous() : at::zeros({B}, opts);
   const at::Tensor top_p =
       top_p_in ? top_p_in->contiguous() : at::ones({B}, opts.dtype(at::kFloat));
+  const at::Tensor min_p =
+      min_p_in ? min_p_in->contiguous() : at::zeros({B}, opts.dtype(at::kFloat));
   std::optional<at::Tensor> uniforms;
   if (uniforms_in) uniforms = uniforms_in->contiguous();
   const bool sampling = uniforms.has_value();
-  check_values(parents, tokens, V, temperature, top_k, top_p, uniforms, sampling);
+  check_values(parents, tokens, V, temperature, top_k, top_p, min_p, uniforms, sampling);
 
   at::Tensor accept_nodes = at::empty({B, N}, opts);
   at::Tensor accept_len = at::empty({B}, opts);
@@ -232,6 +243,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_verify_cpu(
     const auto* temp = temperature.data_ptr<float>();
     const auto* tk = top_k.data_ptr<int32_t>();
     const auto* tp = top_p.data_ptr<float>();
+    const auto* mp = min_p.data_ptr<float>();
     const float* u = sampling ? uniforms->data_ptr<float>() : nullptr;
     auto* out_nodes = accept_nodes.data_ptr<int32_t>();
     auto* out_len = accept_len.data_ptr<int32_t>();
@@ -249,7 +261,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_verify_cpu(
           greedy_walk(tree, row, out);
         } else {
           CpuSamplingRow<scalar_t> row{rows, V, b, scratch.data(), bin_vals, sums};
-          sampling_walk(tree, row, u + b * (N + 1), SamplingParams{temp[b], tk[b], tp[b]}, out);
+          const SamplingParams sp{temp[b], tk[b], tp[b], mp[b]};
+          sampling_walk(tree, row, u + b * (N + 1), sp, out);
         }
       }
     });

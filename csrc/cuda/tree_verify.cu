@@ -125,7 +125,7 @@ struct CudaSamplingRow {
     return lo;
   }
 
-  __device__ double prepare(int32_t node, SamplingParams sp) {
+  __device__ double softmax_top_k(int32_t node, float temperature, int32_t top_k) {
     const scalar_t* row = logits + node * V;
     auto logit = [&](int64_t i) { return static_cast<float>(row[i]); };
     float m = -INFINITY;
@@ -139,8 +139,8 @@ struct CudaSamplingRow {
     m = ops.max(m);
     CUDA_KERNEL_ASSERT(isfinite(m) && "tree_verify: logits row has no finite maximum");
     float keep_from = -INFINITY;
-    if (sp.top_k > 0 && sp.top_k < V) keep_from = key_to_float(select_key<false>(logit, sp.top_k));
-    const float scale = 1.0f / sp.temperature;
+    if (top_k > 0 && top_k < V) keep_from = key_to_float(select_key<false>(logit, top_k));
+    const float scale = 1.0f / temperature;
     double part = 0.0;
     for (int64_t i = threadIdx.x; i < V; i += kThreads) {
       const float v = logit(i);
@@ -148,18 +148,29 @@ struct CudaSamplingRow {
       w[i] = e;
       part += e;
     }
-    double total = ops.sum(part);
-    if (sp.top_p < 1.0f) {
-      auto mass = [&](int64_t i) { return w[i]; };
-      const float w_floor = key_to_float(select_key<true>(mass, sp.top_p * total));
-      part = 0.0;
-      for (int64_t i = threadIdx.x; i < V; i += kThreads) {
-        if (w[i] < w_floor) w[i] = 0.0f;
-        part += w[i];
-      }
-      total = ops.sum(part);
+    return ops.sum(part);
+  }
+
+  // Every thread touches the same strided indices of w as softmax_top_k wrote, and each block
+  // reduction synchronises, so no extra barrier is needed between these steps.
+  __device__ float mass_floor(double target) {
+    auto mass = [&](int64_t i) { return w[i]; };
+    return key_to_float(select_key<true>(mass, target));
+  }
+
+  __device__ float max_weight() {
+    float m = 0.0f;
+    for (int64_t i = threadIdx.x; i < V; i += kThreads) m = fmaxf(m, w[i]);
+    return ops.max(m);
+  }
+
+  __device__ double keep_at_least(float floor) {
+    double part = 0.0;
+    for (int64_t i = threadIdx.x; i < V; i += kThreads) {
+      if (w[i] < floor) w[i] = 0.0f;
+      part += w[i];
     }
-    return total;
+    return ops.sum(part);
   }
 
   __device__ double weight(int64_t token) const { return w[token]; }
@@ -206,7 +217,7 @@ __global__ void __launch_bounds__(kThreads)
     tree_verify_kernel(const int32_t* __restrict__ parents, const int64_t* __restrict__ tokens,
                        const scalar_t* __restrict__ logits, const float* __restrict__ temperature,
                        const int32_t* __restrict__ top_k, const float* __restrict__ top_p,
-                       const float* __restrict__ uniforms, float* __restrict__ workspace,
+                       const float* __restrict__ min_p, const float* __restrict__ uniforms, float* __restrict__ workspace,
                        int32_t N, int64_t V, int32_t* accept_nodes, int32_t* accept_len,
                        int64_t* next_token) {
   __shared__ typename BlockOps::Storage storage;
@@ -230,9 +241,11 @@ __global__ void __launch_bounds__(kThreads)
     greedy_walk(tree, row, out);
     return;
   }
-  const SamplingParams sp{temp, top_k ? top_k[b] : 0, top_p ? top_p[b] : 1.0f};
+  const SamplingParams sp{temp, top_k ? top_k[b] : 0, top_p ? top_p[b] : 1.0f,
+                          min_p ? min_p[b] : 0.0f};
   CUDA_KERNEL_ASSERT(isfinite(sp.temperature) && sp.top_k >= 0 && sp.top_p > 0.0f &&
-                     sp.top_p <= 1.0f && "tree_verify: temperature/top_k/top_p out of range");
+                     sp.top_p <= 1.0f && sp.min_p >= 0.0f && sp.min_p <= 1.0f &&
+                     "tree_verify: temperature/top_k/top_p/min_p out of range");
   const float* u = uniforms + b * (N + 1);
   if (threadIdx.x == 0) {
     for (int32_t i = 0; i <= N; ++i) {
@@ -246,9 +259,10 @@ __global__ void __launch_bounds__(kThreads)
 std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_verify_cuda(
     const at::Tensor& parents_in, const at::Tensor& tokens_in, const at::Tensor& logits_in,
     const std::optional<at::Tensor>& temperature_in, const std::optional<at::Tensor>& top_k_in,
-    const std::optional<at::Tensor>& top_p_in, const std::optional<at::Tensor>& uniforms_in) {
+    const std::optional<at::Tensor>& top_p_in, const std::optional<at::Tensor>& uniforms_in,
+    const std::optional<at::Tensor>& min_p_in) {
   const auto [B, N, V] = check_tree_verify_args(parents_in, tokens_in, logits_in, temperature_in,
-                                                top_k_in, top_p_in, uniforms_in);
+                                                top_k_in, top_p_in, uniforms_in, min_p_in);
   const c10::cuda::CUDAGuard guard(parents_in.device());
   const at::Tensor parents = parents_in.contiguous(), tokens = tokens_in.contiguous(),
                    logits = logits_in.contiguous();
@@ -256,7 +270,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_verify_cuda(
     return t ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
   };
   const auto temperature = maybe(temperature_in), top_k = maybe(top_k_in), top_p = maybe(top_p_in),
-             uniforms = maybe(uniforms_in);
+             uniforms = maybe(uniforms_in), min_p = maybe(min_p_in);
   const auto opts = parents.options();
   at::Tensor accept_nodes = at::empty({B, N}, opts);
   at::Tensor accept_len = at::empty({B}, opts);
@@ -271,7 +285,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_verify_cuda(
         parents.data_ptr<int32_t>(), tokens.data_ptr<int64_t>(), logits.data_ptr<scalar_t>(),
         temperature ? temperature->data_ptr<float>() : nullptr,
         top_k ? top_k->data_ptr<int32_t>() : nullptr, top_p ? top_p->data_ptr<float>() : nullptr,
-        uniforms ? uniforms->data_ptr<float>() : nullptr,
+        min_p ? min_p->data_ptr<float>() : nullptr, uniforms ? uniforms->data_ptr<float>() : nullptr,
         workspace.defined() ? workspace.data_ptr<float>() : nullptr, static_cast<int32_t>(N), V,
         accept_nodes.data_ptr<int32_t>(), accept_len.data_ptr<int32_t>(),
         next_token.data_ptr<int64_t>());

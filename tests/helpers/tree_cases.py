@@ -65,3 +65,8 @@ def sampling_params(rng: np.random.Generator, B: int, V: int, greedy_frac: float
     top_k = rng.choice([0, 0, 1, 3, 20, V + 5], size=B).astype(np.int32)
     top_p = rng.choice([1.0, 1.0, 0.95, 0.8, 0.5], size=B).astype(np.float32)
     return torch.from_numpy(temperature), torch.from_numpy(top_k), torch.from_numpy(top_p)
+
+
+def min_p_values(rng: np.random.Generator, B: int):
+    """Per-request min-p ``[B] float32``: off for some requests, mild to aggressive for the others."""
+    return torch.from_numpy(rng.choice([0.0, 0.02, 0.1, 0.3, 0.9, 1.0], size=B).astype(np.float32))

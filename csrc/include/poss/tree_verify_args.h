@@ -20,7 +20,8 @@ inline TreeVerifyShape check_tree_verify_args(const at::Tensor& parents, const a
                                               const std::optional<at::Tensor>& temperature,
                                               const std::optional<at::Tensor>& top_k,
                                               const std::optional<at::Tensor>& top_p,
-                                              const std::optional<at::Tensor>& uniforms) {
+                                              const std::optional<at::Tensor>& uniforms,
+                                              const std::optional<at::Tensor>& min_p) {
   check_dim(parents, "parents", 2, "[B, N] int32");
   check_dtype(parents, "parents", at::kInt);
   const int64_t B = parents.size(0), N = parents.size(1);
@@ -53,6 +54,7 @@ inline TreeVerifyShape check_tree_verify_args(const at::Tensor& parents, const a
   check_per_request(temperature, "temperature", at::kFloat);
   check_per_request(top_k, "top_k", at::kInt);
   check_per_request(top_p, "top_p", at::kFloat);
+  check_per_request(min_p, "min_p", at::kFloat);
   if (uniforms) {
     check_dim(*uniforms, "uniforms", 2, "[B, N+1] float32");
     check_dtype(*uniforms, "uniforms", at::kFloat);
