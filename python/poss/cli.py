@@ -21,6 +21,9 @@ def main(argv=None) -> int:
     from poss.eval.cli import add_eval_parser
 
     add_eval_parser(sub)
+    from poss.serve.main import add_serve_parser
+
+    add_serve_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "generate":
         return cli_generate.cmd_generate(args)
@@ -43,6 +46,10 @@ def main(argv=None) -> int:
         from poss.train.distill import run_distill
 
         return run_distill(args)
+    if args.command == "serve":
+        from poss.serve.main import run_serve
+
+        return run_serve(args)
     if args.command == "demo":
         from poss.demo import main as demo
 
