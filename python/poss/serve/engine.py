@@ -152,6 +152,8 @@ class Engine:
                         self._admitted.discard(ev.id)
                 self._active = b.active()
                 self.metrics.active_batch.set(self._active)
+                if self._active:
+                    self.metrics.batch_size.observe(self._active)
                 if events:
                     self._deliver(events)
         finally:

@@ -15,7 +15,8 @@ class Metrics:
     - ``poss_tau``: per request, mean tokens per verify round (accepted draft tokens + 1).
     - ``poss_request_seconds``: from arrival to the last token; ``poss_time_to_first_token_seconds``.
     - ``poss_round_seconds``: per request, its decode time divided by its rounds (mean round time).
-    - ``poss_queue_depth``: requests waiting for the engine; ``poss_active_batch``: requests decoding.
+    - ``poss_queue_depth``: requests waiting for the engine; ``poss_active_batch``: requests decoding;
+      ``poss_batch_size``: the decoding requests after each engine step (how full batches run).
     """
 
     content_type = CONTENT_TYPE_LATEST
@@ -36,6 +37,8 @@ class Metrics:
                                        registry=r)
         self.queue_depth = Gauge("poss_queue_depth", "Requests waiting for the engine", registry=r)
         self.active_batch = Gauge("poss_active_batch", "Requests being decoded", registry=r)
+        self.batch_size = Histogram("poss_batch_size", "Requests being decoded, after each engine step",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
