@@ -105,7 +105,7 @@ def create_app(engine: Engine, model_name: str, default_max_tokens: int = 512, m
                            param="model", code="model_not_found")
         try:
             ids, param = await asyncio.to_thread(encode, p)
-        except (ValueError, TypeError, KeyError) as exc:
+        except Exception as exc:  # the input's fault (e.g. roles the chat template refuses)
             raise bad(f"could not tokenize the {'messages' if p.kind == 'chat' else 'prompt'}: {exc}") from None
         vocab = getattr(backend, "vocab_size", None)
         if vocab and any(t >= vocab for t in ids):
