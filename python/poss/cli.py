@@ -1,4 +1,4 @@
-"""The ``poss`` command line: generate, chat, train, distill, eval, plus info and demo.
+"""The ``poss`` command line: generate, chat, train, distill, eval, serve, plus info and demo.
 
 Parsers are built without importing torch; each command imports what it runs.
 """
@@ -15,6 +15,7 @@ def main(argv=None) -> int:
     sub.add_parser("demo", help="verify a small draft tree with torch.ops.poss.tree_verify")
     from poss.decode import cli as decode_cli
     from poss.eval import cli as eval_cli
+    from poss.serve import main as serve_cli
     from poss.train import cli as train_cli
 
     fmt = argparse.ArgumentDefaultsHelpFormatter
@@ -24,6 +25,7 @@ def main(argv=None) -> int:
     train_cli.add_train_parser(sub)
     train_cli.add_distill_parser(sub)
     eval_cli.add_eval_parser(sub)
+    serve_cli.add_serve_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "generate":
         return decode_cli.cmd_generate(args)
@@ -40,6 +42,8 @@ def main(argv=None) -> int:
         return eval_cli.run_eval(args)
     if args.command == "distill":
         return train_cli.run_distill(args)
+    if args.command == "serve":
+        return serve_cli.run_serve(args)
     if args.command == "demo":
         from poss.demo import main as demo
 

@@ -36,6 +36,8 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
                    help="target features computed every batch, or cached as fp16 shards (reused across epochs/methods)")
     p.add_argument("--feature-cache", default=None, help="feature cache dir (default: under the poss cache)")
     p.add_argument("--max-batches", type=int, default=None, help="stop after this many optimizer steps")
+    p.add_argument("--validate-every-epoch", action="store_true",
+                   help="score the held-out split after each epoch (learning curve) and keep the best draft in OUT/best")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="target features and mixed precision; auto: bf16 on CUDA or a CPU with AMX/AVX512-BF16, else fp32")
@@ -110,7 +112,7 @@ def run_train(args) -> int:
     cfg = TrainConfig(method=args.method, steps=args.steps, positions_per_specialist=args.positions_per_specialist,
                       epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, topk_weight=args.topk_weight,
                       noise_std=args.noise_std, checkpoint_minutes=args.checkpoint_minutes, seed=args.seed,
-                      max_batches=args.max_batches, autocast="bf16" if runner.dtype == torch.bfloat16 else "none")
+                      max_batches=args.max_batches, validate_every_epoch=args.validate_every_epoch, autocast="bf16" if runner.dtype == torch.bfloat16 else "none")
     trainer = Trainer(runner, cfg, data.train, data.val, args.out,
                       target_name=args.target if isinstance(args.target, str) else "", init_from=args.init_from,
                       feature_cache=data.feature_cache, info=info, data_info=data.info, token_map=token_map)

@@ -46,6 +46,9 @@ class TrainConfig:
     checkpoint_minutes: float = 10.0
     seed: int = 0
     max_batches: Optional[int] = None  # stop after this many optimizer steps (throughput probes, tests)
+    # Validate after every epoch and keep the best draft (mean held-out accuracy over the steps) in
+    # OUT/best: the loss can keep falling while acceptance drops.
+    validate_every_epoch: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -239,6 +242,8 @@ class Trainer:
                     break
             if not stop:
                 self.progress.update(epoch=self.progress["epoch"] + 1, batch=0)
+                if cfg.validate_every_epoch:
+                    self.validate_epoch(log)
                 self.save_checkpoint()
                 last_ckpt = time.monotonic()
         bar.close()
@@ -258,6 +263,33 @@ class Trainer:
             log.write(json.dumps({"final": result}) + "\n")
             log.close()
         return result
+
+    def validate_epoch(self, log) -> Dict:
+        """Held-out metrics after an epoch, logged as a learning-curve point; a new best is saved to OUT/best."""
+        val_ids = [VAL_ID_OFFSET + i for i in range(len(self.val))]
+        v = evaluate(self.draft, self.features, self.val, val_ids, self.cfg.objective(), self.runner,
+                     self.cfg.batch_size, self.cfg.autocast_dtype, self.info)
+        score = sum(v["acc"]) / len(v["acc"])
+        point = {"epoch": self.progress["epoch"], "tokens": self.progress["tokens"],
+                 "seconds": self.progress["seconds"], "val": v}
+        if log:
+            log.write(json.dumps({"val_epoch": point}) + "\n")
+            log.flush()
+        if score > self.progress.get("best_score", -1.0):
+            self.progress["best_score"], self.progress["best_epoch"] = score, self.progress["epoch"]
+            if self.info.main:
+                self._save_draft(self.out / "best", {"val": v, "epoch": self.progress["epoch"]})
+        return v
+
+    def _save_draft(self, directory: Path, extra: Dict) -> None:
+        """The fp16 draft (what ships) with the recipe, data record and ``extra`` in its config."""
+        self.draft.config.training = {"recipe": {**asdict(self.cfg), "n_specialists": self.cfg.n_specialists},
+                                      "data": self.data_info, "world_size": self.info.world,
+                                      "train_seconds": self.progress["seconds"], "tokens": self.progress["tokens"],
+                                      **extra}
+        half = PosSDraft(self.draft.config)
+        half.load_state_dict(self.draft.state_dict())
+        half.half().save(directory)
 
     def save_final(self, result: Dict) -> Optional[Path]:
         if not self.info.main:
