@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from child_env import child_env
+from helpers.child_env import child_env
 
 
 def free_port() -> int:
