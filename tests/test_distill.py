@@ -108,3 +108,21 @@ def test_meta_records_dtype(model, tmp_path):
     distill(gen, conversations(4), tmp_path, n_train=2, n_val=0, batch_size=2, max_new_tokens=4, progress=False)
     meta = json.loads((tmp_path / "meta.json").read_text())
     assert meta["recipe"]["dtype"] == "float32" and meta["recipe"]["decoding"] == "greedy"
+
+
+def test_features_rebuild_from_the_token_ids_alone(model, tmp_path):
+    """A data set restored from its shipped records gets the same features back without generating."""
+    import shutil
+
+    from poss.train.distill import rebuild_features
+
+    gen = make_generator(model)
+    gen.encode = encoder()
+    distill(gen, conversations(8), tmp_path / "a", n_train=5, n_val=1, batch_size=3, max_new_tokens=10, progress=False)
+    (tmp_path / "b").mkdir()
+    shutil.copy(tmp_path / "a" / "records.jsonl", tmp_path / "b" / "records.jsonl")
+    assert rebuild_features(gen.runner, tmp_path / "b", batch_tokens=60, progress=False) == 6
+    assert rebuild_features(gen.runner, tmp_path / "b", progress=False) == 0  # nothing left to do
+    a, b = FeatureCache(tmp_path / "a" / "features" / "rank0"), FeatureCache(tmp_path / "b" / "features" / "rank0")
+    for r in read_records(tmp_path / "a"):
+        torch.testing.assert_close(b.get(r["key"]).float(), a.get(r["key"]).float(), atol=2e-3, rtol=2e-3)

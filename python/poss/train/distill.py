@@ -139,3 +139,35 @@ def distill(gen, conversations, out, n_train: int, n_val: int = 100, batch_size:
             bar.set_postfix_str(f"{stats['tokens_per_s']:.0f} answer tok/s, {stats['answer_tokens']} tokens")
     bar.close()
     return meta
+
+
+def rebuild_features(runner, out, batch_tokens: int = 4096, progress: bool = True) -> int:
+    """Compute the features of every record in ``out/records.jsonl`` that has none in the cache
+    (a data set restored from its shipped token ids): one target prefill per batch of records, no
+    generation. Returns how many records were filled in."""
+    from tqdm import tqdm
+
+    from poss.train.features import FeatureCache
+
+    out = Path(out)
+    cache = FeatureCache(out / "features" / "rank0", shard_mb=256)
+    todo = [r for r in read_records(out) if r["key"] not in cache]
+    todo.sort(key=lambda r: len(r["prompt_ids"]) + len(r["answer_ids"]))  # similar lengths share a batch
+    bar = tqdm(total=len(todo), desc="features", unit="record", disable=not progress, dynamic_ncols=True)
+    i = 0
+    while i < len(todo):
+        seqs, n = [], 0
+        while i < len(todo) and (not seqs or n + len(todo[i]["prompt_ids"]) + len(todo[i]["answer_ids"]) <= batch_tokens):
+            r = todo[i]
+            seqs.append((r["key"], (r["prompt_ids"] + r["answer_ids"])[:-1]))
+            n += len(seqs[-1][1])
+            i += 1
+        runner.cache = runner.cache.grown(len(seqs), max(len(s) for _, s in seqs) + 1)
+        with torch.inference_mode():
+            _, feats = runner.prefill([s for _, s in seqs])
+        for b, (key, s) in enumerate(seqs):
+            cache.put(key, feats[b, : len(s)])
+        bar.update(len(seqs))
+    cache.flush()
+    bar.close()
+    return len(todo)
