@@ -27,11 +27,12 @@ class Parser(argparse.ArgumentParser):
 
 
 class Formatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows ``(default: ...)`` for every option that has a help text, except flags that default off."""
+    """Shows ``(default: ...)`` for every option, unless it is unset by default or its help says it."""
 
     def _get_help_string(self, action):
-        if action.default is False or action.default is argparse.SUPPRESS or "%(default)" in (action.help or ""):
-            return action.help
+        text = action.help or ""
+        if action.default in (None, False, []) or action.default is argparse.SUPPRESS or "default" in text:
+            return action.help  # nothing to show, or the help already says it
         return super()._get_help_string(action)
 
 
