@@ -72,8 +72,10 @@ def main(argv=None) -> int:
     parser = build_parser()
     debug, command = "--debug" in argv, ""
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
         debug, command = args.debug, args.command
+        if extra:
+            raise UsageError(f"unrecognized arguments: {' '.join(extra)} (see poss {command} --help)")
         return _dispatch(args)
     except KeyboardInterrupt:
         if debug:
