@@ -1,55 +1,95 @@
-"""The ``poss`` command line: generate, chat, train, distill, eval, serve, plus info and demo.
+"""The poss command line: generate, chat, train, distill, eval, serve, plus info and demo.
 
-Parsers are built without importing torch; each command imports what it runs.
+Every bad input ends in one line "poss <command>: <what was wrong>" and exit status 2; --debug shows
+the traceback instead.
 """
 
-import argparse
 import json
 import sys
 
+from poss.cli_args import Formatter, Parser, UsageError, one_line
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="poss", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="show how the poss_ext kernels were built")
-    sub.add_parser("demo", help="verify a small draft tree with torch.ops.poss.tree_verify")
+
+def build_parser() -> Parser:
+    """The full parser; building it imports no torch, so ``poss --help`` is fast."""
     from poss.decode import cli as decode_cli
     from poss.eval import cli as eval_cli
     from poss.serve import main as serve_cli
     from poss.train import cli as train_cli
 
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = Parser(prog="poss", description=__doc__, formatter_class=Formatter)
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("info", help="show how the poss_ext kernels were built")
+    sub.add_parser("demo", help="verify a small draft tree with the tree_verify kernel")
     decode_cli.add_arguments(sub.add_parser("generate", help="generate text for one or more prompts",
-                                            formatter_class=fmt), chat=False)
-    decode_cli.add_arguments(sub.add_parser("chat", help="interactive multi-turn chat", formatter_class=fmt), chat=True)
+                                            formatter_class=Formatter), chat=False)
+    decode_cli.add_arguments(sub.add_parser("chat", help="interactive multi-turn chat", formatter_class=Formatter),
+                             chat=True)
     train_cli.add_train_parser(sub)
     train_cli.add_distill_parser(sub)
     eval_cli.add_eval_parser(sub)
     serve_cli.add_serve_parser(sub)
-    args = parser.parse_args(argv)
-    if args.command == "generate":
-        return decode_cli.cmd_generate(args)
-    if args.command == "chat":
-        return decode_cli.cmd_chat(args)
+    return parser
+
+
+def _dispatch(args) -> int:
+    if args.command in ("generate", "chat"):
+        from poss.decode import cli as decode_cli
+
+        return decode_cli.cmd_generate(args) if args.command == "generate" else decode_cli.cmd_chat(args)
+    if args.command in ("train", "distill"):
+        from poss.train import cli as train_cli
+
+        return train_cli.run_train(args) if args.command == "train" else train_cli.run_distill(args)
+    if args.command == "eval":
+        from poss.eval import cli as eval_cli
+
+        return eval_cli.run_eval(args)
+    if args.command == "serve":
+        from poss.serve import main as serve_cli
+
+        return serve_cli.run_serve(args)
     if args.command == "info":
         import poss_ext
 
         print(json.dumps(poss_ext.build_info(), indent=2))
         return 0
-    if args.command == "train":
-        return train_cli.run_train(args)
-    if args.command == "eval":
-        return eval_cli.run_eval(args)
-    if args.command == "distill":
-        return train_cli.run_distill(args)
-    if args.command == "serve":
-        return serve_cli.run_serve(args)
     if args.command == "demo":
         from poss.demo import main as demo
 
         return demo()
-    print(f"poss {args.command}: not available yet in poss {__import__('poss').__version__}", file=sys.stderr)
-    return 2
+    raise UsageError(f"unknown command {args.command!r}")
+
+
+def _is_load_error(exc: BaseException) -> bool:
+    """Errors the library raises for bad inputs (and safetensors' own error for a corrupt file)."""
+    return isinstance(exc, (ValueError, OSError)) or type(exc).__name__ == "SafetensorError"
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    debug, command = "--debug" in argv, ""
+    try:
+        args, extra = parser.parse_known_args(argv)
+        debug, command = args.debug, args.command
+        if extra:
+            raise UsageError(f"unrecognized arguments: {' '.join(extra)} (see poss {command} --help)")
+        return _dispatch(args)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if debug or not (isinstance(exc, UsageError) or _is_load_error(exc)):
+            raise
+        text = one_line(exc)
+        if not text.startswith("poss"):  # parser errors already name their command
+            text = f"poss {command}: {text}"
+        print(text, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

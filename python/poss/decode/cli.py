@@ -1,44 +1,68 @@
 """``poss generate`` and ``poss chat``: generation from the command line, with tokens/s and tau."""
 
 import argparse
+import re
 import sys
 
-DTYPES = ("float32", "bfloat16", "float16")
+from poss.cli_args import UsageError, check_draft, check_target, float_in, int_at_least, target_help
+
+DTYPES = ("auto", "float32", "bfloat16")
+_TREE_FLAGS = {"num_nodes": "--num-nodes", "depth": "--depth", "beam_width": "--beam-width"}
 
 
 def add_arguments(p: argparse.ArgumentParser, chat: bool) -> None:
     """The generate / chat options (torch is not imported here, so ``--help`` stays fast)."""
     if not chat:
         p.add_argument("--prompt", action="append", required=True, help="a user message (repeat for a batch)")
-    p.add_argument("--target", default="smollm2-135m", help="registry name, HF folder or .gguf file")
-    p.add_argument("--draft", default=None, help="PosS draft folder (default: the shipped one for the target)")
+    p.add_argument("--target", default="smollm2-135m", help=target_help())
+    p.add_argument("--draft", default=None,
+                   help="PosS draft folder (config.json + model.safetensors); default: the one shipped for the target")
     p.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding (the baseline)")
-    p.add_argument("--dtype", default="float32", choices=DTYPES)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    s = p.add_argument_group("sampling (per request; temperature 0 is greedy)")
-    s.add_argument("--temperature", type=float, default=0.0)
-    s.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
-    s.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep (1: off)")
-    s.add_argument("--min-p", type=float, default=0.0,
-                   help="keep tokens at least this fraction as likely as the most likely one (0: off)")
-    s.add_argument("--seed", type=int, default=None)
-    t = p.add_argument_group("draft tree")
-    t.add_argument("--num-nodes", type=int, default=60, help="nodes verified per round, root included")
-    t.add_argument("--depth", type=int, default=6, help="draft positions below the root")
-    t.add_argument("--beam-width", "--top-k-draft", dest="beam_width", type=int, default=10,
-                   help="children kept per frontier node and frontier size per level")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="weights and activations; auto: bfloat16 on CUDA or a CPU with AMX/AVX512-BF16, else float32")
+    p.add_argument("--threads", type=int_at_least(1), default=None,
+                   help="torch CPU threads (default: torch's choice); on a busy 2-core machine 1 thread can be "
+                        "several times faster than 2")
+    p.add_argument("--max-new-tokens", type=int_at_least(0), default=256, help="tokens generated per answer at most")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    s = p.add_argument_group("sampling (per request; temperature 0 is greedy and the filters need > 0)")
+    s.add_argument("--temperature", type=float_in(0), default=0.0, help="0: greedy; > 0: sample")
+    s.add_argument("--top-k", type=int_at_least(0), default=0, help="keep the k most likely tokens (0: off)")
+    s.add_argument("--top-p", type=float_in(0, 1, low_open=True), default=1.0, help="nucleus mass to keep (1: off)")
+    s.add_argument("--min-p", type=float_in(0, 1), default=0.0,
+                   help="keep tokens at least this fraction as likely as the most likely one (0: off)")
+    s.add_argument("--seed", type=int, default=None, help="makes sampling reproducible (default: a fresh seed)")
+    t = p.add_argument_group("draft tree")
+    t.add_argument("--num-nodes", type=int_at_least(1, 256), default=60, help="nodes verified per round, root included")
+    t.add_argument("--depth", type=int_at_least(0), default=6, help="draft positions below the root")
+    t.add_argument("--beam-width", "--top-k-draft", dest="beam_width", type=int_at_least(1), default=10,
+                   help="children kept per frontier node and frontier size per level")
+
+
+def check_arguments(args) -> None:
+    """Every check that needs no model: raises ``UsageError`` naming the flag."""
+    if args.temperature == 0:
+        given = [f"--{n.replace('_', '-')} {getattr(args, n)}" for n, off in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0))
+                 if getattr(args, n) != off]
+        if given:
+            raise UsageError(f"{', '.join(given)}: sampling filters need --temperature > 0 "
+                             "(temperature 0 is greedy)")
+    if args.draft is not None and args.no_draft:
+        raise UsageError("--draft and --no-draft exclude each other")
+    check_target(args.target)
+    check_draft(args.draft)
 
 
 def _params(args):
-    """``(SamplingParams, TreeParams)`` from the flags; ``ValueError`` names the bad one."""
+    """``(SamplingParams, TreeParams)`` from the flags; ``UsageError`` names the bad flag."""
     from poss.decode.params import SamplingParams, TreeParams
 
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p, seed=args.seed)
-    tree = TreeParams(num_nodes=args.num_nodes, depth=args.depth, beam_width=args.beam_width)
-    if args.max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {args.max_new_tokens}")
+    try:
+        tree = TreeParams(num_nodes=args.num_nodes, depth=args.depth, beam_width=args.beam_width)
+    except ValueError as e:
+        raise UsageError(re.sub(r"\b(num_nodes|depth|beam_width)\b", lambda m: _TREE_FLAGS[m.group(1)], str(e))) from None
     return sampling, tree
 
 
@@ -46,15 +70,18 @@ def _load(args):
     import torch
 
     from poss.decode.loader import load
+    from poss.hardware import resolve_dtype
     from poss.models.registry import shipped_draft
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     draft = None
     if not args.no_draft:
         draft = args.draft or shipped_draft(args.target)
         if draft is None:
             print(f"poss: no trained draft exists for target {args.target!r} (none in drafts/); "
                   "generating without one. Pass --draft DIR, or --no-draft to silence this.", file=sys.stderr)
-    return load(args.target, draft=draft, dtype=getattr(torch, args.dtype))
+    return load(args.target, draft=draft, dtype=resolve_dtype(args.dtype, "cpu"))
 
 
 def _speed_line(stats) -> str:
@@ -65,21 +92,27 @@ def _speed_line(stats) -> str:
     return f"[{tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tokens/s, tau {tau:.2f}]"
 
 
-def _checked(args, command: str):
-    """The call's options, or None after printing a one-line error (checked before any loading)."""
-    try:
-        sampling, tree = _params(args)
-    except ValueError as e:
-        print(f"poss {command}: {e}", file=sys.stderr)
-        return None
+def _options(args):
+    """The call's options, checked before any loading (``UsageError`` on a bad flag)."""
+    check_arguments(args)
+    sampling, tree = _params(args)
     return dict(max_new_tokens=args.max_new_tokens, sampling=sampling, tree=tree, stop=args.stop)
 
 
+def _check_context(gen, prompts, flag: str) -> None:
+    """A prompt that leaves no room to generate is a usage error naming it."""
+    for i, prompt in enumerate(prompts):
+        n = len(gen.encode(prompt))
+        if n >= gen.context_limit:
+            which = f"{flag} {i + 1}" if len(prompts) > 1 else flag
+            raise UsageError(f"{which} is {n} tokens, at or over the model's context of {gen.context_limit} "
+                             "tokens: no room to generate; shorten it")
+
+
 def cmd_generate(args) -> int:
-    options = _checked(args, "generate")
-    if options is None:
-        return 2
+    options = _options(args)
     gen = _load(args)
+    _check_context(gen, args.prompt, "--prompt")
     if len(args.prompt) == 1:
         for piece in gen.stream(args.prompt[0], **options):
             print(piece, end="", flush=True)
@@ -93,28 +126,54 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def cmd_chat(args) -> int:
-    options = _checked(args, "chat")
-    if options is None:
-        return 2
-    gen = _load(args)
+def chat_loop(gen, options, read=input, out=None, err=None) -> int:
+    """The chat session: one answer per line read until an empty line, Ctrl-D or Ctrl-C at the prompt
+    (all exit 0). Ctrl-C during an answer stops that answer (what was shown stays in the conversation)
+    and returns to the prompt; a message over the context is reported and dropped."""
+    out = out or sys.stdout
+    err = err or sys.stderr
     messages = []
-    print("poss chat: empty line or Ctrl-D to quit, /reset to start over.", file=sys.stderr)
+    print("poss chat: empty line or Ctrl-D to quit, Ctrl-C to stop an answer, /reset to start over.", file=err)
     while True:
         try:
-            line = input("you> ").strip()
-        except EOFError:
-            break
+            line = read("you> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print(file=out, flush=True)
+            return 0
         if not line:
-            break
+            return 0
         if line == "/reset":
             messages = []
             continue
         messages.append({"role": "user", "content": line})
-        print("assistant> ", end="", flush=True)
-        for piece in gen.stream(messages, **options):
-            print(piece, end="", flush=True)
-        print()
+        try:
+            _check_context(gen, [messages], "your message")
+        except UsageError as e:
+            messages.pop()
+            print(f"poss chat: {e}", file=err)
+            continue
+        print("assistant> ", end="", flush=True, file=out)
+        shown = []
+        stream = gen.stream(messages, **options)
+        try:
+            for piece in stream:
+                shown.append(piece)
+                print(piece, end="", flush=True, file=out)
+        except KeyboardInterrupt:
+            stream.close()
+            print(file=out, flush=True)
+            print("[answer stopped]", file=err)
+            if shown:
+                messages.append({"role": "assistant", "content": "".join(shown)})
+            else:
+                messages.pop()
+            continue
+        print(file=out)
         messages.append({"role": "assistant", "content": gen.last_result.texts[0]})
-        print(_speed_line(gen.last_result.stats), file=sys.stderr)
-    return 0
+        print(_speed_line(gen.last_result.stats), file=err)
+
+
+def cmd_chat(args) -> int:
+    options = _options(args)
+    gen = _load(args)
+    return chat_loop(gen, options)

@@ -4,30 +4,34 @@ import argparse
 import sys
 from pathlib import Path
 
+from poss.cli_args import Formatter, UsageError, check_draft, check_target, int_at_least, target_help
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and completions, streaming)")
-    p.add_argument("--target", default="smollm2-135m", help="registry name, HF folder or .gguf file")
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and completions, streaming)",
+                       formatter_class=Formatter)
+    p.add_argument("--target", default="smollm2-135m", help=target_help())
     p.add_argument("--draft", default=None, help="PosS draft folder (default: the shipped one for the target)")
     p.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
     p.add_argument("--served-model-name", default=None,
                    help="the `model` the API accepts (default: the target's name)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
-    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch (then 429)")
-    p.add_argument("--default-max-tokens", type=int, default=512, help="max_tokens when a request gives none")
-    p.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (then 413)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--dtype", default="float32", choices=DTYPES)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--num-nodes", type=int, default=60)
-    p.add_argument("--depth", type=int, default=6)
-    p.add_argument("--beam-width", "--top-k-draft", dest="beam_width", type=int, default=10,
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int_at_least(0, 65535), default=8000, help="TCP port (0: any free one)")
+    p.add_argument("--max-batch", type=int_at_least(1), default=8, help="requests decoded together")
+    p.add_argument("--max-queue", type=int_at_least(0), default=64, help="requests waiting beyond the batch (then 429)")
+    p.add_argument("--default-max-tokens", type=int_at_least(1), default=512, help="max_tokens when a request gives none")
+    p.add_argument("--max-body", type=int_at_least(1), default=1 << 20, help="largest request body in bytes (then 413)")
+    p.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="the models' dtype")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--num-nodes", type=int_at_least(1, 256), default=60, help="tree nodes verified per round, root included")
+    p.add_argument("--depth", type=int_at_least(0), default=6, help="draft positions below the root")
+    p.add_argument("--beam-width", "--top-k-draft", dest="beam_width", type=int_at_least(1), default=10,
                    help="draft candidates kept per tree level")
-    p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level")
     return p
 
 
@@ -36,24 +40,16 @@ def model_name(target: str) -> str:
     return path.stem if path.suffix == ".gguf" else path.name if path.exists() else target
 
 
-def _check(args) -> str:
-    for name in ("max_batch", "port", "default_max_tokens", "max_body"):
-        if getattr(args, name) < (0 if name == "port" else 1):
-            return f"--{name.replace('_', '-')} must be positive"
-    if args.max_queue < 0:
-        return "--max-queue must be >= 0"
-    if args.threads is not None and args.threads < 1:
-        return "--threads must be >= 1"
+def _check(args) -> None:
+    """Every check that needs no model (the numeric flags are checked by their types)."""
     if args.draft and args.no_draft:
-        return "--draft and --no-draft exclude each other"
-    return ""
+        raise UsageError("--draft and --no-draft exclude each other")
+    check_target(args.target)
+    check_draft(args.draft)
 
 
 def run_serve(args) -> int:
-    err = _check(args)
-    if err:
-        print(f"poss serve: {err}", file=sys.stderr)
-        return 2
+    _check(args)
     import torch
 
     if args.threads:

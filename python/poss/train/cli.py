@@ -5,44 +5,48 @@ import json
 import sys
 from pathlib import Path
 
+from poss.cli_args import Formatter, UsageError, check_draft, check_target, float_in, int_at_least, target_help
+
 
 def add_train_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train an EAGLE-2 / HASS / PosS-n draft for a target",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--target", default="smollm2-135m", help="registry name, HF folder or .gguf")
-    p.add_argument("--method", choices=("eagle2", "hass", "poss"), default="poss")
-    p.add_argument("--steps", type=int, default=None, help="training steps (draft positions); eagle2 1, hass 3, poss 6")
-    p.add_argument("--positions-per-specialist", type=int, default=1, help="PosS-n: n positions per specialist")
+                       formatter_class=Formatter)
+    p.add_argument("--target", default="smollm2-135m", help=target_help())
+    p.add_argument("--method", choices=("eagle2", "hass", "poss"), default="poss", help="the draft objective")
+    p.add_argument("--steps", type=int_at_least(1), default=None, help="training steps (draft positions); eagle2 1, hass 3, poss 6")
+    p.add_argument("--positions-per-specialist", type=int_at_least(1), default=1, help="PosS-n: n positions per specialist")
     p.add_argument("--out", default=None, help="run directory: checkpoints, metrics.jsonl, final draft/")
     p.add_argument("--init-from", default=None, help="trained EAGLE-2 draft folder copied into every specialist")
     p.add_argument("--resume", action="store_true", help="continue from OUT/trainer_state.pt")
-    p.add_argument("--max-len", type=int, default=1024)
-    p.add_argument("--train-size", type=int, default=1000, help="training conversations")
-    p.add_argument("--val-size", type=int, default=100, help="held-out conversations (fixed by --data-seed)")
-    p.add_argument("--data-seed", type=int, default=42)
+    p.add_argument("--max-len", type=int_at_least(2), default=1024, help="tokens per conversation at most")
+    p.add_argument("--train-size", type=int_at_least(1), default=1000, help="training conversations")
+    p.add_argument("--val-size", type=int_at_least(0), default=100, help="held-out conversations (fixed by --data-seed)")
+    p.add_argument("--data-seed", type=int, default=42, help="seed of the train/validation split")
     p.add_argument("--data", default=None, metavar="DIR",
                    help="train on a `poss distill` folder (on-policy answers with cached features) instead of ShareGPT")
-    p.add_argument("--draft-vocab", type=int, default=0, metavar="K",
+    p.add_argument("--draft-vocab", type=int_at_least(0), default=0, metavar="K",
                    help="reduced draft vocabulary: the K most frequent answer tokens (0: the full vocabulary)")
     p.add_argument("--regenerate", action="store_true", help="use the target's greedy answers as assistant turns")
-    p.add_argument("--regen-max-new-tokens", type=int, default=256)
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--lr", type=float, default=3e-5)
-    p.add_argument("--topk-weight", type=float, default=0.0, help="HASS top-K loss weight (K=10)")
-    p.add_argument("--noise-std", type=float, default=0.2)
-    p.add_argument("--checkpoint-minutes", type=float, default=10.0)
+    p.add_argument("--regen-max-new-tokens", type=int_at_least(1), default=256,
+                   help="answer length at most with --regenerate")
+    p.add_argument("--epochs", type=int_at_least(1), default=1, help="passes over the training set")
+    p.add_argument("--batch-size", type=int_at_least(1), default=1, help="conversations per optimizer step")
+    p.add_argument("--lr", type=float_in(0, low_open=True), default=3e-5, help="peak learning rate")
+    p.add_argument("--topk-weight", type=float_in(0), default=0.0, help="HASS top-K loss weight (K=10)")
+    p.add_argument("--noise-std", type=float_in(0), default=0.2, help="feature noise during training")
+    p.add_argument("--checkpoint-minutes", type=float_in(0, low_open=True), default=10.0,
+                   help="minutes between checkpoints")
     p.add_argument("--features", choices=("online", "cache"), default="cache",
                    help="target features computed every batch, or cached as fp16 shards (reused across epochs/methods)")
     p.add_argument("--feature-cache", default=None, help="feature cache dir (default: under the poss cache)")
-    p.add_argument("--max-batches", type=int, default=None, help="stop after this many optimizer steps")
+    p.add_argument("--max-batches", type=int_at_least(1), default=None, help="stop after this many optimizer steps")
     p.add_argument("--validate-every-epoch", action="store_true",
                    help="score the held-out split after each epoch (learning curve) and keep the best draft in OUT/best")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="target features and mixed precision; auto: bf16 on CUDA or a CPU with AMX/AVX512-BF16, else fp32")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0, help="initialisation and noise seed")
     p.add_argument("--validate", default=None, metavar="DRAFT",
                    help="no training: score the draft folder DRAFT on this data's validation split for --steps "
                         "draft positions (default 6) and print the per-step metrics as JSON")
@@ -87,18 +91,27 @@ def _prepare(args):
     return info, runner, data, token_map
 
 
+def check_train_arguments(args) -> None:
+    """Every check that needs no model or data: raises ``UsageError`` naming the flag."""
+    if args.validate is None and args.out is None:
+        raise UsageError("--out DIR is required (the run directory), unless --validate DRAFT is given")
+    if args.validate is not None and not (Path(args.validate) / "config.json").is_file():
+        raise UsageError(f"--validate expects a draft folder with config.json, got {args.validate!r}")
+    check_target(args.target)
+    check_draft(args.init_from, "--init-from")
+    if args.data is not None and not Path(args.data).is_dir():
+        raise UsageError(f"--data: {args.data!r} is not a folder (expected a `poss distill` output folder)")
+    if args.device is not None and args.device.split(":")[0] not in ("cpu", "cuda"):
+        raise UsageError(f"--device: expected cpu, cuda or cuda:N, got {args.device!r}")
+
+
 def run_train(args) -> int:
     import torch
 
     from poss.train.ddp import shutdown
     from poss.train.loop import Trainer, TrainConfig
 
-    if args.validate is None and args.out is None:
-        print("poss train: --out DIR is required (the run directory), unless --validate DRAFT is given", file=sys.stderr)
-        return 2
-    if args.validate is not None and not (Path(args.validate) / "config.json").is_file():
-        print(f"poss train: --validate expects a draft folder with config.json, got {args.validate!r}", file=sys.stderr)
-        return 2
+    check_train_arguments(args)
     info, runner, data, token_map = _prepare(args)
     if args.validate is not None:
         from poss.train.validate import validate_draft
@@ -127,27 +140,23 @@ def run_train(args) -> int:
 
 def add_distill_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("distill", help="write the target's own greedy answers (+ features) as draft-training data",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--target", default="smollm2-135m", help="registry name, HF folder or .gguf")
-    p.add_argument("--prompts", type=int, default=4000, help="training prompts")
-    p.add_argument("--val-prompts", type=int, default=100, help="held-out prompts (answered first)")
+                       formatter_class=Formatter)
+    p.add_argument("--target", default="smollm2-135m", help=target_help())
+    p.add_argument("--prompts", type=int_at_least(1), default=4000, help="training prompts")
+    p.add_argument("--val-prompts", type=int_at_least(0), default=100, help="held-out prompts (answered first)")
     p.add_argument("--out", required=True, help="data folder: records.jsonl, features/, meta.json")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=384)
-    p.add_argument("--max-prompt-tokens", type=int, default=384)
+    p.add_argument("--batch-size", type=int_at_least(1), default=32, help="prompts answered together")
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=384, help="answer length at most")
+    p.add_argument("--max-prompt-tokens", type=int_at_least(1), default=384, help="longer prompts are skipped")
     p.add_argument("--seed", type=int, default=0, help="prompt selection seed")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="the dtype the target runs in at inference")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
     return p
 
 
 def run_distill(args) -> int:
-    for name in ("prompts", "val_prompts", "batch_size", "max_new_tokens", "max_prompt_tokens"):
-        if getattr(args, name) < (0 if name == "val_prompts" else 1):
-            print(f"poss distill: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}",
-                  file=sys.stderr)
-            return 2
+    check_target(args.target)
     import torch
 
     from poss.decode.loader import load
