@@ -152,6 +152,9 @@ def add_distill_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="the dtype the target runs in at inference")
     p.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--rebuild-features", action="store_true",
+                   help="generate nothing: compute the target features of the records in --out that have none "
+                        "(a data set restored from its shipped token ids)")
     return p
 
 
@@ -166,6 +169,13 @@ def run_distill(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     gen = load(args.target, draft=None, dtype=getattr(torch, args.dtype))
+    if args.rebuild_features:
+        from poss.train.distill import rebuild_features
+
+        if not (Path(args.out) / "records.jsonl").is_file():
+            raise ValueError(f"--out {args.out!r} has no records.jsonl to rebuild the features of")
+        print(f"features computed for {rebuild_features(gen.runner, args.out)} records", file=sys.stderr)
+        return 0
     convs = load_sharegpt()
     meta = distill(gen, convs.messages, args.out, args.prompts, args.val_prompts, args.batch_size,
                    args.max_new_tokens, args.max_prompt_tokens, args.seed)
