@@ -10,9 +10,9 @@ Run: ``PYTHONPATH=.:python python bench/ab_models.py [--threads 1] [--target]``
 import argparse
 import time
 
-import bench_models as bm  # beside this script, which Python puts first on sys.path
 import torch
 
+import bench_models as bm  # beside this script, which Python puts first on sys.path
 from poss.models.draft import PosSDraft
 from poss.models.draft_config import DraftConfig
 
@@ -53,8 +53,8 @@ def main():
     with torch.inference_mode():
         for T in (1, 10, 60):
             a = bm.specialist_inputs(T)
-            fns = {"fused": lambda: d.step(0, *a), "hf_layer": bm.hf_layer_step(d, T),
-                   "eager_packed": lambda: d.step(0, *a, eager=True)}
+            fns = {"fused": lambda a=a: d.step(0, *a), "hf_layer": bm.hf_layer_step(d, T),
+                   "eager_packed": lambda a=a: d.step(0, *a, eager=True)}
             report(f"threads={args.threads} specialist T={T}", timings(fns, 8), "fused")
     if args.target:
         from poss.models.registry import load_model

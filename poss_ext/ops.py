@@ -12,7 +12,6 @@ from torch import Tensor
 
 from poss_ext import reference
 
-
 # ---- Tree verification (greedy and exact sampling) --------------------------------------------
 
 
@@ -68,7 +67,7 @@ def _check_same_device(ref: Tensor, **tensors: Optional[Tensor]) -> None:
         if t is not None:
             torch._check(
                 t.device == ref.device,
-                lambda: f"{name} must be on the same device as parents ({ref.device}), got {t.device}",
+                lambda name=name, t=t: f"{name} must be on the same device as parents ({ref.device}), got {t.device}",
             )
 
 

@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import poss_ext
-from poss_ext import reference
 from helpers.devices import devices
+from poss_ext import reference
 
 # ---------------------------------------------------------------------------------------------
 # Candidate beams generated the way the EAGLE-2 draft (topK_genrate) generates them.
@@ -360,7 +360,6 @@ def test_opcheck(device):
 
 
 def test_large_batch_parallel_matches_reference():
-    gen = torch.Generator().manual_seed(11)
     scores, tokens, parents_flat, cand_parents, roots = beams_batch(5, 64, 10, 5, 100, False)
     out = run_build("cpu", tokens, scores, cand_parents, roots, 60)
     want = reference.build_tree(tokens, scores, cand_parents, roots, 60)

@@ -47,8 +47,8 @@ def fails(argv, flag, capsys, text=None):
 @pytest.fixture
 def draft_files(tmp_path):
     """A file, a folder without weights, and a folder with a truncated model.safetensors."""
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     f = tmp_path / "draft.txt"
     f.write_text("not a folder")
@@ -205,9 +205,8 @@ def lines(*items):
 
 
 def run_chat(gen, read, capsys):
-    from poss.decode.cli import _speed_line, chat_loop  # noqa: F401
-
     import poss.decode.cli as dc
+    from poss.decode.cli import _speed_line, chat_loop  # noqa: F401
 
     orig = dc._speed_line
     dc._speed_line = lambda stats: "[speed]"

@@ -1,15 +1,15 @@
 """PosS draft: fused specialist_forward vs the plain nn.Module path, config, save/load, EAGLE init."""
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
 
 import poss_ext
+from helpers.targets import tiny_model
 from poss.models.draft import PosSDraft
 from poss.models.draft_config import DraftConfig
 from poss.models.target import TargetRunner, chain_parents
-from helpers.targets import tiny_model
 
 TOL = {torch.float32: 2e-4, torch.bfloat16: 4e-2}
 

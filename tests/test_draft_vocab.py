@@ -38,10 +38,10 @@ def test_coverage_counts_tokens_in_the_set():
 # -- training with a reduced vocabulary --------------------------------------------------------------
 
 def _tiny_batch(token_map=None):
+    from helpers.train_tiny import tiny_examples, tiny_target
     from poss.train.data import collate
     from poss.train.features import OnlineFeatures
     from poss.train.objective import make_batch
-    from helpers.train_tiny import tiny_examples, tiny_target
 
     runner = tiny_target(max_batch=2, max_seq=48)
     b = collate(tiny_examples(2))
@@ -93,9 +93,9 @@ def test_left_out_rows_carry_no_loss_or_gradient():
 
 
 def test_trained_draft_keeps_its_token_map(tmp_path):
-    from poss.models.draft import PosSDraft
-    from poss.train.loop import Trainer, TrainConfig
     from helpers.train_tiny import tiny_examples, tiny_target
+    from poss.models.draft import PosSDraft
+    from poss.train.loop import TrainConfig, Trainer
 
     torch.set_num_threads(1)
     runner = tiny_target(max_batch=2)

@@ -37,8 +37,8 @@ def test_summarize_pools_turns_then_questions():
 def tiny_folder(tmp_path_factory):
     """A tiny random Llama saved as an HF folder with a ChatML byte tokenizer, plus two random drafts."""
     from helpers.loop import random_draft, tiny_target
-    from poss.models.target import TargetRunner
     from helpers.train_tiny import byte_tokenizer
+    from poss.models.target import TargetRunner
 
     root = tmp_path_factory.mktemp("eval")
     model = tiny_target(vocab=300)

@@ -6,8 +6,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import poss_ext
-from poss_ext import reference
 from helpers.devices import devices
+from poss_ext import reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -6,7 +6,6 @@ poss_ext.reference, so a shared mistake cannot hide.
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -9,13 +9,17 @@ with the loop. Both feed their candidates to ``build_tree``; the trees must be t
 import pytest
 import torch
 
-from helpers.loop import eval_prompts, make_generator, tiny_target
-from helpers.loop import single_thread  # noqa: F401  (autouse: one CPU thread)
+import poss_ext
+from helpers.loop import (
+    eval_prompts,
+    make_generator,
+    single_thread,  # noqa: F401  (autouse: one CPU thread)
+    tiny_target,
+)
 from poss.decode.draft_tree import draft_tree
 from poss.decode.params import SamplingParams, TreeParams
 from poss.models.kv_cache import StaticKVCache
 from poss.models.target import chain_parents
-import poss_ext
 
 
 def eager_chain(draft, j, tokens, feats):

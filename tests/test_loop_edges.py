@@ -3,8 +3,14 @@
 import pytest
 import torch
 
-from helpers.loop import ByteTokenizer, eval_prompts, hf_greedy, make_generator, tiny_target
-from helpers.loop import single_thread  # noqa: F401  (autouse: one CPU thread)
+from helpers.loop import (
+    ByteTokenizer,
+    eval_prompts,
+    hf_greedy,
+    make_generator,
+    single_thread,  # noqa: F401  (autouse: one CPU thread)
+    tiny_target,
+)
 from poss.decode.generator import Generator
 from poss.decode.params import SamplingParams, TreeParams
 

@@ -7,10 +7,14 @@ often, so long accepted paths, KV compaction and the specialists' catch-up are e
 """
 
 import pytest
-import torch
 
-from helpers.loop import eval_prompts, hf_greedy, make_generator, tiny_target
-from helpers.loop import single_thread  # noqa: F401  (autouse: one CPU thread)
+from helpers.loop import (
+    eval_prompts,
+    hf_greedy,
+    make_generator,
+    single_thread,  # noqa: F401  (autouse: one CPU thread)
+    tiny_target,
+)
 
 NEW = 128
 PROMPTS = eval_prompts(n_per_set=4)

@@ -7,8 +7,8 @@ tokens and a small tree (the 24-prompt x 128-token check runs on the tiny model,
 import pytest
 import torch
 
-from poss.data import load_eval_set
 from helpers.loop import single_thread  # noqa: F401  (autouse: one CPU thread)
+from poss.data import load_eval_set
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from helpers.loop import hf_greedy, make_generator, tiny_target
-from helpers.loop import single_thread  # noqa: F401  (autouse: one CPU thread)
+from helpers.loop import (
+    hf_greedy,
+    make_generator,
+    single_thread,  # noqa: F401  (autouse: one CPU thread)
+    tiny_target,
+)
 
 V, T, TOP_P = 16, 0.7, 0.9
 PROMPT = [3, 9, 4, 1, 12, 7, 7, 5]

@@ -4,8 +4,12 @@ every specialist's draft KV cache, and the target features the draft consumes.""
 import pytest
 import torch
 
-from helpers.loop import eval_prompts, make_generator, tiny_target
-from helpers.loop import single_thread  # noqa: F401  (autouse: one CPU thread)
+from helpers.loop import (
+    eval_prompts,
+    make_generator,
+    single_thread,  # noqa: F401  (autouse: one CPU thread)
+    tiny_target,
+)
 from poss.decode.params import SamplingParams, TreeParams
 from poss.models.kv_cache import StaticKVCache
 from poss.models.target import chain_parents

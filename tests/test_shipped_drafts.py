@@ -8,9 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from poss.data import load_eval_set
 from helpers.loop import single_thread  # noqa: F401  (autouse: one CPU thread)
-
+from poss.data import load_eval_set
 from poss.models.registry import DRAFTS_DIR, shipped_draft
 
 SHIPPED = sorted(p.parent for p in DRAFTS_DIR.glob("*/config.json")) if DRAFTS_DIR.is_dir() else []

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from poss.train.aligned_attention import aligned_attention, align_masks, causal_attention_lse, naive_aligned_attention
+from poss.train.aligned_attention import align_masks, aligned_attention, causal_attention_lse, naive_aligned_attention
 
 
 def rand_inputs(B, H, Hkv, L, D, k, dtype=torch.float64, seed=0):

@@ -6,8 +6,17 @@ import pytest
 import torch
 
 from helpers.train_tiny import byte_tokenizer
-from poss.train.data import (Example, build_split, collate, data_fingerprint, parse_truncated_array, split_indices,
-                             to_messages, tokenize_conversation)
+from poss.train.data import (
+    Example,
+    build_split,
+    collate,
+    data_fingerprint,
+    parse_truncated_array,
+    split_indices,
+    to_messages,
+    tokenize_conversation,
+)
+
 
 @pytest.fixture(scope="module")
 def tokenizer():

@@ -11,12 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from poss.models.draft import PosSDraft
-from poss.train.features import CachedFeatures, FeatureCache, OnlineFeatures
-from poss.train.data import collate
-from poss.train.validate import evaluate
 from helpers.child_env import child_env
 from helpers.train_tiny import make_trainer, tiny_examples, tiny_target
+from poss.models.draft import PosSDraft
+from poss.train.data import collate
+from poss.train.features import CachedFeatures, FeatureCache, OnlineFeatures
+from poss.train.validate import evaluate
 
 HERE = Path(__file__).resolve().parent
 

@@ -4,12 +4,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.train_tiny import tiny_examples, tiny_target
 from poss.models.target import chain_parents
 from poss.train.data import collate
+from poss.train.features import OnlineFeatures
 from poss.train.loop import TrainConfig, new_draft
 from poss.train.objective import Objective, make_batch, run_steps, step_losses
-from poss.train.features import OnlineFeatures
-from helpers.train_tiny import tiny_examples, tiny_target
 
 
 @pytest.fixture(scope="module")

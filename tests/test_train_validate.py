@@ -3,10 +3,10 @@
 import pytest
 import torch
 
+from helpers.train_tiny import make_trainer, tiny_examples, tiny_target
 from poss.train.data import collate
 from poss.train.features import CachedFeatures, FeatureCache, OnlineFeatures
 from poss.train.validate import validate_draft
-from helpers.train_tiny import make_trainer, tiny_examples, tiny_target
 
 
 @pytest.fixture(scope="module")

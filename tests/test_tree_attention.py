@@ -1,6 +1,5 @@
 """poss.tree_attention against torch SDPA with an explicit dense mask (independent of the reference)."""
 
-import math
 
 import pytest
 import torch
@@ -9,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import poss_ext
-from poss_ext import reference
 from helpers.devices import devices
+from poss_ext import reference
 
 TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
 

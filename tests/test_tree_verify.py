@@ -7,9 +7,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import poss_ext
-from poss_ext import reference
 from helpers.devices import devices
 from helpers.tree_cases import make_case, min_p_values, sampling_params
+from poss_ext import reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -111,7 +111,6 @@ def test_greedy_rule_by_hand(device):
 @pytest.mark.parametrize("device", devices())
 def test_uniform_zero_never_accepts_a_zero_mass_child(device):
     """u = 0 must not accept a token that top-k removed, nor draw one as the next token."""
-    V = 5
     parents = torch.tensor([[-1, 0]], dtype=torch.int32)
     tokens = torch.tensor([[0, 4]])
     logits = torch.tensor([[[3.0, 2.0, 1.0, 0.0, -1.0]] * 2])

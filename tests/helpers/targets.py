@@ -6,8 +6,14 @@ from poss.data import EVAL_SETS, load_eval_set
 
 
 def tiny_model(kind="llama", seed=0, **over):
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     torch.manual_seed(seed)
     common = dict(vocab_size=300, hidden_size=256, intermediate_size=160, num_hidden_layers=2,

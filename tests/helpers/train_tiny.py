@@ -63,7 +63,7 @@ def tiny_examples(n, seed=0, min_len=12, max_len=40, vocab=128):
 def make_trainer(out, method="poss", steps=4, ppl=2, n_train=8, batch_size=2, epochs=2, ckpt_minutes=10.0,
                  max_batches=None, info=None, noise=0.2, lr=1e-3, init_from=None, feature_cache=None):
     from poss.train.ddp import DistInfo
-    from poss.train.loop import Trainer, TrainConfig
+    from poss.train.loop import TrainConfig, Trainer
 
     torch.set_num_threads(1)
     runner = tiny_target(max_batch=batch_size)

@@ -97,8 +97,9 @@ def evaluate(target: str, drafts: Iterable[Optional[str]], datasets: Dict[str, L
              dtype=torch.float32, limit: Optional[int] = None, progress: bool = True) -> Path:
     """Run every method over every dataset (the first ``limit`` questions of each); returns the
     ``records.jsonl`` path. ``drafts`` holds None (ar), "hf", or draft folders."""
-    import poss
     from tqdm import tqdm
+
+    import poss
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

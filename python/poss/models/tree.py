@@ -49,7 +49,7 @@ def dense_tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, prefix_len
     parents ``[B, N] int32``; node i's K/V sit at slot ``prefix_len + i``. Returns ``[B, Hq, Nq, D]``.
     """
     B, Hq, Nq, D = q.shape
-    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    Hkv = k_cache.shape[1]
     N = parents.shape[1]
     pre = prefix_len.long()
     span = int((pre + N).max())  # slots past this are never visible

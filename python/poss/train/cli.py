@@ -60,8 +60,8 @@ def _prepare(args):
     from poss.models.registry import load_model
     from poss.models.target import TargetRunner
     from poss.train.dataset import DataRecipe, build_dataset, distilled_dataset
-    from poss.train.draft_vocab import answer_vocabulary
     from poss.train.ddp import init_distributed
+    from poss.train.draft_vocab import answer_vocabulary
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -109,7 +109,7 @@ def run_train(args) -> int:
     import torch
 
     from poss.train.ddp import shutdown
-    from poss.train.loop import Trainer, TrainConfig
+    from poss.train.loop import TrainConfig, Trainer
 
     check_train_arguments(args)
     info, runner, data, token_map = _prepare(args)

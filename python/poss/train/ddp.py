@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 
-@dataclass
+@dataclass(frozen=True)
 class DistInfo:
     rank: int = 0
     world: int = 1

@@ -124,7 +124,7 @@ def distill(gen, conversations, out, n_train: int, n_val: int = 100, batch_size:
             t0 = time.perf_counter()
             res = gen.generate([p for _, _, _, p in chunk], max_new_tokens=max_new_tokens)
             stats["seconds"] += time.perf_counter() - t0
-            for (key, split, src, prompt), answer, st, feats in zip(chunk, res.token_ids, res.stats, res.features):
+            for (key, *_), answer, feats in zip(chunk, res.token_ids, res.features):
                 cache.put(key, feats)
                 stats["answer_tokens"] += len(answer)
             cache.flush()  # features reach disk before the records that point at them

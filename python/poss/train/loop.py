@@ -2,10 +2,8 @@
 linear warmup/decay schedule, value clipping, periodic resumable checkpoints, validation and the final save.
 """
 
-import hashlib
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path

@@ -8,7 +8,7 @@ backpropagated on its own (gradients accumulate), as in the reference, so only o
 alive at a time.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
