@@ -211,8 +211,11 @@ class Generator:
             self._record("host", t)
 
     @torch.inference_mode()
-    def prefill(self, batch: BatchState, depth: int) -> List[int]:
-        """Target over the prompts, the first token from its last logits, then the draft's warm-up."""
+    def prefill(self, batch: BatchState, depth: int, uniforms=None) -> List[int]:
+        """Target over the prompts, the first token from its last logits, then the draft's warm-up.
+
+        ``uniforms(B, N)``: the ``[B, N + 1]`` random numbers of a sampled verify (default: drawn from
+        the call's generator ``self.rng``)."""
         runner, B, dev = self.runner, batch.size, self.runner.device
         prompts = [r.prompt for r in batch.requests]
         P = [len(p) for p in prompts]
@@ -222,7 +225,7 @@ class Generator:
         batch.length = list(P)
         batch.length_dev.copy_(torch.tensor(P, dtype=torch.int32))
         last_tok = batch.ids.gather(1, (batch.length_dev.long() - 1).unsqueeze(1))
-        uniforms = self._uniforms(B, 1) if batch.sampling is not None else None
+        uniforms = (uniforms or self._uniforms)(B, 1) if batch.sampling is not None else None
         _, _, first = tree_verify(root_only_tree(last_tok.view(B)), last_logits.unsqueeze(1), batch.sampling, uniforms)
         batch.ids.scatter_(1, batch.length_dev.long().unsqueeze(1), first.unsqueeze(1))
         if batch.feats is not None:
@@ -232,8 +235,11 @@ class Generator:
         return first.tolist()
 
     @torch.inference_mode()
-    def round(self, batch: BatchState, num_nodes: int, depth: int, beam_width: int) -> List[List[int]]:
-        """One speculative round for every active row; returns per row (accept_len, new tokens...)."""
+    def round(self, batch: BatchState, num_nodes: int, depth: int, beam_width: int,
+              uniforms=None) -> List[List[int]]:
+        """One speculative round for every active row; returns per row (accept_len, new tokens...).
+
+        ``uniforms`` as in :meth:`prefill`."""
         t = time.perf_counter()
         if depth:
             tree = draft_tree(self.draft, batch, depth, beam_width, num_nodes)
@@ -241,7 +247,7 @@ class Generator:
             tree = root_only_tree(batch.root_tokens())
         t = self._record("draft", t)
         N = tree.tokens.shape[1]
-        uniforms = self._uniforms(batch.size, N) if batch.sampling is not None else None
+        uniforms = (uniforms or self._uniforms)(batch.size, N) if batch.sampling is not None else None
         nodes, acc, nxt, features = verify(self.runner, batch, tree, uniforms)
         t = self._record("verify", t)
         packed = commit(self.runner, batch, tree, nodes, acc, nxt, features, max_accept=depth)
