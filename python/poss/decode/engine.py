@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from poss.decode.batch import BatchState, Request
-from poss.decode.generator import Stats
+from poss.decode.generator import Stats, request_stats
 from poss.decode.params import SamplingParams, TreeParams
 from poss.decode.stopping import Stopper
 from poss.models.kv_cache import StaticKVCache
@@ -175,13 +175,9 @@ class DecodeEngine:
             t = self.tree
             rows = self.gen.round(batch, t.num_nodes, self.depth, t.beam_width,
                                   uniforms=self._uniforms(batch.requests))
-            for b, row in enumerate(rows):
-                a, r = row[0], batch.requests[b]
-                before = len(r.generated)
-                r.accept_hist[a] += 1
-                batch.length[b] += a + 1
-                self._live[r.index].stopper.append(r, row[1:a + 2], self.gen.context_limit - len(r.prompt))
-                events.append(self._event(r, before))
+            before = [len(r.generated) for r in batch.requests]
+            self.gen.apply_round(batch, rows, lambda r: self._live[r.index].stopper)
+            events += [self._event(r, n) for r, n in zip(batch.requests, before)]
             self._drop()
         return events
 
@@ -271,7 +267,4 @@ class DecodeEngine:
         live = self._live.get(r.index)
         if not r.seconds and live is not None:
             r.seconds = time.perf_counter() - live.start
-        rounds = sum(r.accept_hist)
-        tau = sum((k + 1) * c for k, c in enumerate(r.accept_hist)) / rounds if rounds else 0.0
-        stats = Stats(len(r.generated), rounds, tau, list(r.accept_hist), r.seconds, r.finish_reason or "")
-        return StepEvent(r.index, tokens, True, r.finish_reason, stats)
+        return StepEvent(r.index, tokens, True, r.finish_reason, request_stats(r))

@@ -48,6 +48,13 @@ class Result:
     features: Optional[List[torch.Tensor]] = None
 
 
+def request_stats(r: Request) -> Stats:
+    """The :class:`Stats` of a request so far."""
+    rounds = sum(r.accept_hist)
+    tau = sum((k + 1) * c for k, c in enumerate(r.accept_hist)) / rounds if rounds else 0.0
+    return Stats(len(r.generated), rounds, tau, list(r.accept_hist), r.seconds, r.finish_reason or "")
+
+
 class Generator:
     """Lossless speculative generation with a PosS draft on a :class:`TargetRunner`.
 
@@ -153,12 +160,8 @@ class Generator:
         return reqs
 
     def _result(self, reqs: List[Request]) -> Result:
-        texts, stats = [], []
-        for r in reqs:
-            texts.append(self.decode(r.generated)[: r.text_end])
-            rounds = sum(r.accept_hist)
-            tau = sum((k + 1) * c for k, c in enumerate(r.accept_hist)) / rounds if rounds else 0.0
-            stats.append(Stats(len(r.generated), rounds, tau, list(r.accept_hist), r.seconds, r.finish_reason or ""))
+        texts = [self.decode(r.generated)[: r.text_end] for r in reqs]
+        stats = [request_stats(r) for r in reqs]
         feats = [r.features for r in reqs] if self.keep_features else None
         return Result(texts, stats, [list(r.generated) for r in reqs], feats)
 
@@ -199,11 +202,7 @@ class Generator:
         while batch.size:
             rows = self.round(batch, tree.num_nodes, depth, tree.beam_width)
             t = time.perf_counter()
-            for b, row in enumerate(rows):
-                a, r = row[0], batch.requests[b]
-                r.accept_hist[a] += 1
-                batch.length[b] += a + 1
-                stopper.append(r, row[1:a + 2], self.context_limit - len(r.prompt))
+            self.apply_round(batch, rows, lambda r: stopper)
             self._finish_times(batch.requests, start)
             yield
             self._keep_features(batch)
@@ -254,6 +253,15 @@ class Generator:
         rows = packed.tolist()  # the round's one host sync
         self._record("commit", t)
         return rows
+
+    def apply_round(self, batch: BatchState, rows: List[List[int]], stopper_of) -> None:
+        """Book a round's ``rows`` (from :meth:`round`) on the host: accept histograms, committed
+        lengths, and each request's new tokens through its stop rules (``stopper_of(request)``)."""
+        for b, row in enumerate(rows):
+            a, r = row[0], batch.requests[b]
+            r.accept_hist[a] += 1
+            batch.length[b] += a + 1
+            stopper_of(r).append(r, row[1:a + 2], self.context_limit - len(r.prompt))
 
     # -- helpers ---------------------------------------------------------------------------------
     def _uniforms(self, B: int, N: int):
