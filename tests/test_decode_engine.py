@@ -126,3 +126,36 @@ def test_zero_and_one_token_requests_and_bad_requests(gen):
         engine.add([5] * gen.context_limit, 5)
     with pytest.raises(ValueError, match="max_new_tokens"):
         engine.add(prompts[0], -1)
+
+
+def test_continuous_backend_events_text_and_refusals(model):
+    """The serve backend on the engine: text pieces add up to ``generate``'s text, a refused request
+    fails alone, a failing round fails what it held and the backend keeps serving."""
+    from poss.serve.backend import ContinuousBackend, GenRequest
+
+    gen = make_generator(model, draft=True, n=3, ppl=1, aligned=True)
+    prompts = eval_prompts(1)
+    backend = ContinuousBackend(gen, max_batch=2, tree=TREE)
+    backend.add(GenRequest("a", prompts[0], 20))
+    backend.add(GenRequest("too-long", [5] * gen.context_limit, 5))
+    assert backend.free_slots() == 1
+    events = []
+    while backend.has_work():
+        events += backend.step()
+    finals = {e.id: e for e in events if e.finished}
+    assert finals["too-long"].finish_reason == "error" and "context limit" in finals["too-long"].error
+    want = gen.generate([prompts[0]], 20, tree=TREE)
+    assert finals["a"].stats.completion_tokens == len(want.token_ids[0])
+    assert finals["a"].finish_reason == {"eos": "stop"}.get(want.stats[0].finish_reason, "length")
+    backend.add(GenRequest("b", prompts[1], 10))
+    real_round, gen.round = gen.round, None  # a round that fails
+    try:
+        evs = backend.step()
+    finally:
+        gen.round = real_round
+    assert [(e.id, e.finish_reason) for e in evs] == [("b", "error")]
+    assert backend.active() == 0 and not backend.has_work()
+    backend.add(GenRequest("c", prompts[2], 8))
+    while backend.has_work():
+        evs = backend.step()
+    assert evs[-1].id == "c" and evs[-1].stats.completion_tokens == len(gen.generate([prompts[2]], 8, tree=TREE).token_ids[0])

@@ -139,6 +139,7 @@ class ContinuousBackend(Backend):
         self.speculative = self.engine.speculate
         self._reqs: Dict[int, _Running] = {}  # engine id -> request, until its final event
         self._ids: Dict[str, int] = {}  # request id -> engine id
+        self._out: List[Event] = []  # events produced outside step (requests the engine refused)
 
     # -- prompts ---------------------------------------------------------------------------------
     def encode_chat(self, messages: List[dict]) -> List[int]:
@@ -159,7 +160,11 @@ class ContinuousBackend(Backend):
 
         sampling = SamplingParams(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
                                   seed=request.seed)
-        eid = self.engine.add(request.prompt, request.max_tokens, sampling, stop=request.stop)
+        try:
+            eid = self.engine.add(request.prompt, request.max_tokens, sampling, stop=request.stop)
+        except ValueError as exc:  # the app validates first; never let one request stop the worker
+            self._out.append(Event(request.id, finish_reason="error", error=str(exc)))
+            return
         self._reqs[eid] = _Running(request)
         self._ids[request.id] = eid
 
@@ -175,17 +180,17 @@ class ContinuousBackend(Backend):
         return self.engine.pending
 
     def has_work(self) -> bool:
-        return self.engine.has_work()
+        return bool(self._out) or self.engine.has_work()
 
     def step(self) -> List[Event]:
+        events, self._out = self._out, []
         try:
             steps = self.engine.step()
         except Exception as exc:  # a failed round fails the requests it held, not the server
             error = f"{type(exc).__name__}: {exc}"
-            events = [Event(run.request.id, finish_reason="error", error=error) for run in self._reqs.values()]
+            events += [Event(run.request.id, finish_reason="error", error=error) for run in self._reqs.values()]
             self.close()
             return events
-        events = []
         for ev in steps:
             run = self._reqs.get(ev.id)
             if run is None:
@@ -210,6 +215,7 @@ class ContinuousBackend(Backend):
 
     def close(self) -> None:
         self.engine.reset()
+        self._out.clear()
         self._reqs.clear()
         self._ids.clear()
 
