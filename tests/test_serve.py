@@ -186,6 +186,44 @@ def test_sixteen_concurrent_streams_against_max_batch_8(server, reference):
     assert (h["status"], h["open_requests"], h["active"], h["queue_depth"]) == ("ok", 0, 0, 0)
 
 
+def test_a_request_arriving_mid_batch_joins_it_and_finishes_first(server, reference):
+    """Continuous batching: a short request sent while a long one decodes is admitted into the running
+    batch and ends long before it (it does not wait for the batch); both answers stay exact."""
+    long_body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0}
+    short_body = {"model": MODEL, "prompt": "fresh", "max_tokens": 6, "temperature": 0}
+    want_long, long_stats, _ = expect(reference, raw_ids(reference, long_body["prompt"]), 200)
+    want_short, _, _ = expect(reference, raw_ids(reference, short_body["prompt"]), 6)
+    assert long_stats.tokens > 60  # long enough to still be decoding when the short one is done
+
+    async def run():
+        started, order = asyncio.Event(), []
+        async with httpx.AsyncClient(timeout=120) as c:
+            async def long():
+                text = []
+                async with c.stream("POST", server.base_url + "/completions", json=dict(long_body, stream=True)) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            text.append(json.loads(line[6:])["choices"][0]["text"])
+                            started.set()
+                order.append("long")
+                return "".join(text)
+
+            async def short():
+                await started.wait()  # the long request is decoding now
+                r = await c.post(server.base_url + "/completions", json=short_body)
+                order.append("short")
+                return r.json()["choices"][0]["text"]
+
+            long_text, short_text = await asyncio.wait_for(asyncio.gather(long(), short()), 120)
+        return order, long_text, short_text
+
+    order, long_text, short_text = asyncio.run(run())
+    assert order == ["short", "long"]
+    assert short_text == want_short and long_text == want_long
+    h = server.wait_idle()
+    assert (h["open_requests"], h["active"], h["queue_depth"]) == (0, 0, 0)
+
+
 # -- bad input: one case each -------------------------------------------------------------------------
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 COMP = {"model": MODEL, "prompt": "hi", "max_tokens": 4}

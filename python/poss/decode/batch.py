@@ -93,6 +93,34 @@ class BatchState:
             # Row ``last`` is dead; the buffers keep their size, every op reads the leading B rows.
             self._shrink()
 
+    @property
+    def capacity(self) -> int:
+        return self.ids.shape[1]
+
+    def grow_capacity(self, capacity: int) -> None:
+        """Make ``ids`` / ``feats`` hold ``capacity`` slots per row (contents kept)."""
+        extra = capacity - self.capacity
+        if extra <= 0:
+            return
+        self.ids = torch.nn.functional.pad(self.ids, (0, extra))
+        if self.feats is not None:
+            self.feats = torch.nn.functional.pad(self.feats, (0, 0, 0, extra))
+
+    def extend(self, other: "BatchState") -> None:
+        """Append ``other``'s rows (already prefilled into the cache rows ``B .. B + other.size - 1``)
+        after this batch's rows; both must have the same capacity and both or neither keep features."""
+        if other.capacity != self.capacity or (other.feats is None) != (self.feats is None):
+            raise ValueError("extend: the two batches differ in capacity or features")
+        self.requests += other.requests
+        self.length += other.length
+        self.draft_len += other.draft_len
+        self.ids = torch.cat([self.ids, other.ids])
+        if self.feats is not None:
+            self.feats = torch.cat([self.feats, other.feats])
+        self.length_dev = torch.cat([self.length_dev, other.length_dev])
+        self.draft_len_dev = torch.cat([self.draft_len_dev, other.draft_len_dev])
+        self.sampling = SamplingTensors.build([r.sampling for r in self.requests], self.ids.device)
+
     def _shrink(self) -> None:
         B = self.size
         self.ids, self.length_dev, self.draft_len_dev = self.ids[:B], self.length_dev[:B], self.draft_len_dev[:B]

@@ -48,6 +48,13 @@ class Result:
     features: Optional[List[torch.Tensor]] = None
 
 
+def request_stats(r: Request) -> Stats:
+    """The :class:`Stats` of a request so far."""
+    rounds = sum(r.accept_hist)
+    tau = sum((k + 1) * c for k, c in enumerate(r.accept_hist)) / rounds if rounds else 0.0
+    return Stats(len(r.generated), rounds, tau, list(r.accept_hist), r.seconds, r.finish_reason or "")
+
+
 class Generator:
     """Lossless speculative generation with a PosS draft on a :class:`TargetRunner`.
 
@@ -153,12 +160,8 @@ class Generator:
         return reqs
 
     def _result(self, reqs: List[Request]) -> Result:
-        texts, stats = [], []
-        for r in reqs:
-            texts.append(self.decode(r.generated)[: r.text_end])
-            rounds = sum(r.accept_hist)
-            tau = sum((k + 1) * c for k, c in enumerate(r.accept_hist)) / rounds if rounds else 0.0
-            stats.append(Stats(len(r.generated), rounds, tau, list(r.accept_hist), r.seconds, r.finish_reason or ""))
+        texts = [self.decode(r.generated)[: r.text_end] for r in reqs]
+        stats = [request_stats(r) for r in reqs]
         feats = [r.features for r in reqs] if self.keep_features else None
         return Result(texts, stats, [list(r.generated) for r in reqs], feats)
 
@@ -199,11 +202,7 @@ class Generator:
         while batch.size:
             rows = self.round(batch, tree.num_nodes, depth, tree.beam_width)
             t = time.perf_counter()
-            for b, row in enumerate(rows):
-                a, r = row[0], batch.requests[b]
-                r.accept_hist[a] += 1
-                batch.length[b] += a + 1
-                stopper.append(r, row[1:a + 2], self.context_limit - len(r.prompt))
+            self.apply_round(batch, rows, lambda r: stopper)
             self._finish_times(batch.requests, start)
             yield
             self._keep_features(batch)
@@ -211,8 +210,11 @@ class Generator:
             self._record("host", t)
 
     @torch.inference_mode()
-    def prefill(self, batch: BatchState, depth: int) -> List[int]:
-        """Target over the prompts, the first token from its last logits, then the draft's warm-up."""
+    def prefill(self, batch: BatchState, depth: int, uniforms=None) -> List[int]:
+        """Target over the prompts, the first token from its last logits, then the draft's warm-up.
+
+        ``uniforms(B, N)``: the ``[B, N + 1]`` random numbers of a sampled verify (default: drawn from
+        the call's generator ``self.rng``)."""
         runner, B, dev = self.runner, batch.size, self.runner.device
         prompts = [r.prompt for r in batch.requests]
         P = [len(p) for p in prompts]
@@ -222,7 +224,7 @@ class Generator:
         batch.length = list(P)
         batch.length_dev.copy_(torch.tensor(P, dtype=torch.int32))
         last_tok = batch.ids.gather(1, (batch.length_dev.long() - 1).unsqueeze(1))
-        uniforms = self._uniforms(B, 1) if batch.sampling is not None else None
+        uniforms = (uniforms or self._uniforms)(B, 1) if batch.sampling is not None else None
         _, _, first = tree_verify(root_only_tree(last_tok.view(B)), last_logits.unsqueeze(1), batch.sampling, uniforms)
         batch.ids.scatter_(1, batch.length_dev.long().unsqueeze(1), first.unsqueeze(1))
         if batch.feats is not None:
@@ -232,8 +234,11 @@ class Generator:
         return first.tolist()
 
     @torch.inference_mode()
-    def round(self, batch: BatchState, num_nodes: int, depth: int, beam_width: int) -> List[List[int]]:
-        """One speculative round for every active row; returns per row (accept_len, new tokens...)."""
+    def round(self, batch: BatchState, num_nodes: int, depth: int, beam_width: int,
+              uniforms=None) -> List[List[int]]:
+        """One speculative round for every active row; returns per row (accept_len, new tokens...).
+
+        ``uniforms`` as in :meth:`prefill`."""
         t = time.perf_counter()
         if depth:
             tree = draft_tree(self.draft, batch, depth, beam_width, num_nodes)
@@ -241,13 +246,22 @@ class Generator:
             tree = root_only_tree(batch.root_tokens())
         t = self._record("draft", t)
         N = tree.tokens.shape[1]
-        uniforms = self._uniforms(batch.size, N) if batch.sampling is not None else None
+        uniforms = (uniforms or self._uniforms)(batch.size, N) if batch.sampling is not None else None
         nodes, acc, nxt, features = verify(self.runner, batch, tree, uniforms)
         t = self._record("verify", t)
         packed = commit(self.runner, batch, tree, nodes, acc, nxt, features, max_accept=depth)
         rows = packed.tolist()  # the round's one host sync
         self._record("commit", t)
         return rows
+
+    def apply_round(self, batch: BatchState, rows: List[List[int]], stopper_of) -> None:
+        """Book a round's ``rows`` (from :meth:`round`) on the host: accept histograms, committed
+        lengths, and each request's new tokens through its stop rules (``stopper_of(request)``)."""
+        for b, row in enumerate(rows):
+            a, r = row[0], batch.requests[b]
+            r.accept_hist[a] += 1
+            batch.length[b] += a + 1
+            stopper_of(r).append(r, row[1:a + 2], self.context_limit - len(r.prompt))
 
     # -- helpers ---------------------------------------------------------------------------------
     def _uniforms(self, B: int, N: int):

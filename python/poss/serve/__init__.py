@@ -2,8 +2,9 @@
 
 Layers, each in its own module:
 
-- :mod:`poss.serve.backend`: the step-wise batch interface (:class:`Backend`) and its phase-1
-  implementation on the public ``Generator.stream`` API. The only module that touches the loop.
+- :mod:`poss.serve.backend`: the step-wise batch interface (:class:`Backend`) and its continuous
+  batching implementation on :class:`poss.decode.engine.DecodeEngine`. The only module that touches
+  the loop.
 - :mod:`poss.serve.engine`: one worker thread owns the backend; a bounded waiting queue in front of it;
   per-request event queues towards the asyncio handlers.
 - :mod:`poss.serve.protocol`: OpenAI request validation and response shapes (no model, no HTTP).

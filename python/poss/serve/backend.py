@@ -10,21 +10,19 @@ engine calls every method of a backend from ONE worker thread, so a backend need
 - ``cancel(request_id)`` drops a request; its final event (``finish_reason="cancelled"``) comes from
   the next ``step()``.
 
-Phase 1 (:class:`GeneratorBackend`) runs on the public ``Generator.stream`` API: it starts a batch
-of up to ``max_batch`` added requests, streams it to the end, and only then takes the next batch.
-Requests added while a batch runs wait for it (``free_slots()`` is 0 meanwhile); a request's final
-event comes when its whole batch ends; a cancelled request is only stopped when every request of
-its batch is cancelled (otherwise its row keeps computing and its output is discarded). Phase 2
-replaces it with a backend that admits requests into the running batch between rounds and drops
-cancelled rows at the next round, behind the same interface.
+:class:`ContinuousBackend` is continuous batching on :class:`poss.decode.engine.DecodeEngine`: a
+request added while others decode joins the running batch at the next step (its prompt is prefilled
+into a free cache row, then it takes part in the next verify round), a finished or cancelled row
+leaves the batch at the next round, and each request keeps its own sampling parameters, seed and
+stop strings. ``step()`` is one verify round (plus the prefill of the requests that joined).
 
-This module is the only place that depends on the ``Generator`` API (``stream``, ``encode``,
-``tokenizer``, ``context_limit``, ``last_result``).
+This module is the only place that depends on the decoding API (``DecodeEngine``, ``Generator.encode``,
+``tokenizer``, ``decode``, ``context_limit``).
 """
 
 import abc
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Tuple
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 
@@ -50,7 +48,7 @@ class RequestStats:
     rounds: int  # verify rounds the request took part in
     tau: float  # mean tokens per round
     accept_hist: List[int]  # accept_hist[k]: rounds that accepted k draft tokens
-    seconds: float  # from its batch's start to its end
+    seconds: float  # from its admission into the backend to its end
 
 
 @dataclass
@@ -118,15 +116,18 @@ class Backend(abc.ABC):
         """Stop any running batch (shutdown)."""
 
 
-class GeneratorBackend(Backend):
-    """Phase 1: whole batches on ``Generator.stream`` (see the module docstring for the limits).
+class ContinuousBackend(Backend):
+    """Continuous batching on :class:`~poss.decode.engine.DecodeEngine` (see the module docstring).
 
-    A batch holds requests with the same ``max_tokens``, stop strings and seed, which the stream API
-    takes once per call. Greedy requests ignore the seed; a sampled request with a seed runs in a
-    batch of its own, so that its output depends only on the seed.
+    Args:
+        generator: the loaded :class:`~poss.decode.generator.Generator` (the backend owns its caches).
+        max_batch: requests decoded together.
+        tree: a :class:`~poss.decode.params.TreeParams`, or None for the default tree.
     """
 
     def __init__(self, generator, max_batch: int = 8, tree=None):
+        from poss.decode.engine import DecodeEngine
+
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.gen = generator
@@ -134,14 +135,11 @@ class GeneratorBackend(Backend):
         self.context_limit = int(generator.context_limit)
         tok = generator.tokenizer
         self.vocab_size = len(tok) if tok is not None else None  # prompt token ids must be below it
-        self.tree = tree  # a TreeParams, or None for the generator's default tree
-        self.speculative = getattr(generator, "draft", None) is not None
-        self._pending: List[GenRequest] = []
-        self._batch: List[GenRequest] = []  # the running batch, in stream index order
-        self._iter: Optional[Iterator] = None
-        self._shown: List[str] = []  # text streamed so far, per batch index
-        self._cancelled: Set[str] = set()
-        self._out: List[Event] = []  # events produced outside step (cancellations)
+        self.engine = DecodeEngine(generator, tree, max_batch=max_batch)
+        self.speculative = self.engine.speculate
+        self._reqs: Dict[int, _Running] = {}  # engine id -> request, until its final event
+        self._ids: Dict[str, int] = {}  # request id -> engine id
+        self._out: List[Event] = []  # events produced outside step (requests the engine refused)
 
     # -- prompts ---------------------------------------------------------------------------------
     def encode_chat(self, messages: List[dict]) -> List[int]:
@@ -155,91 +153,92 @@ class GeneratorBackend(Backend):
 
     # -- the interface ---------------------------------------------------------------------------
     def free_slots(self) -> int:
-        return 0 if self._iter is not None else self.max_batch - len(self._pending)
+        return max(self.max_batch - self.engine.active - self.engine.pending, 0)
 
     def add(self, request: GenRequest) -> None:
-        self._pending.append(request)
+        from poss.decode.params import SamplingParams
+
+        sampling = SamplingParams(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
+                                  seed=request.seed)
+        try:
+            eid = self.engine.add(request.prompt, request.max_tokens, sampling, stop=request.stop)
+        except ValueError as exc:  # the app validates first; never let one request stop the worker
+            self._out.append(Event(request.id, finish_reason="error", error=str(exc)))
+            return
+        self._reqs[eid] = _Running(request)
+        self._ids[request.id] = eid
 
     def cancel(self, request_id: str) -> None:
-        for i, r in enumerate(self._pending):
-            if r.id == request_id:
-                del self._pending[i]
-                self._out.append(Event(request_id, finish_reason="cancelled"))
-                return
-        if any(r.id == request_id for r in self._batch) and request_id not in self._cancelled:
-            self._cancelled.add(request_id)
-            self._out.append(Event(request_id, finish_reason="cancelled"))
-            if all(r.id in self._cancelled for r in self._batch):
-                self._end_batch()  # nobody listens: stop computing
+        eid = self._ids.get(request_id)
+        if eid is not None:
+            self.engine.cancel(eid)
 
     def active(self) -> int:
-        return len(self._batch) - len(self._cancelled)
+        return self.engine.active
 
     def pending(self) -> int:
-        return len(self._pending)
+        return self.engine.pending
+
+    def has_work(self) -> bool:
+        return bool(self._out) or self.engine.has_work()
 
     def step(self) -> List[Event]:
         events, self._out = self._out, []
-        if self._iter is None:
-            if not self._pending:
-                return events
-            self._start_batch()
         try:
-            index, piece = next(self._iter)
-        except StopIteration:
-            events += self._final_events()
-            self._end_batch()
+            steps = self.engine.step()
+        except Exception as exc:  # a failed round fails the requests it held, not the server
+            error = f"{type(exc).__name__}: {exc}"
+            events += [Event(run.request.id, finish_reason="error", error=error) for run in self._reqs.values()]
+            self.close()
             return events
-        except Exception as exc:  # a failed batch fails its requests, not the server
-            events += [Event(r.id, finish_reason="error", error=f"{type(exc).__name__}: {exc}")
-                       for r in self._batch if r.id not in self._cancelled]
-            self._end_batch()
-            return events
-        self._shown[index] += piece
-        rid = self._batch[index].id
-        if rid not in self._cancelled:
-            events.append(Event(rid, text=piece))
+        for ev in steps:
+            run = self._reqs.get(ev.id)
+            if run is None:
+                continue
+            r = run.request
+            if ev.finish_reason == "cancelled":
+                events.append(Event(r.id, finish_reason="cancelled"))
+            else:
+                run.tokens += ev.tokens
+                piece = run.advance(self.gen, ev)
+                if ev.finished:
+                    s = ev.stats
+                    stats = RequestStats(len(r.prompt), s.tokens, s.rounds, s.tau, list(s.accept_hist), s.seconds)
+                    events.append(Event(r.id, text=piece, finish_reason=FINISH.get(ev.finish_reason, "stop"),
+                                        stats=stats))
+                elif piece:
+                    events.append(Event(r.id, text=piece))
+            if ev.finished:
+                del self._reqs[ev.id]
+                self._ids.pop(r.id, None)
         return events
 
     def close(self) -> None:
-        self._end_batch()
-        self._pending.clear()
+        self.engine.reset()
+        self._out.clear()
+        self._reqs.clear()
+        self._ids.clear()
 
-    # -- phase-1 batching ------------------------------------------------------------------------
-    @staticmethod
-    def _key(r: GenRequest):
-        seed = None if r.temperature <= 0 or r.seed is None else ("solo", r.id)
-        return r.max_tokens, tuple(r.stop), seed
 
-    def _start_batch(self) -> None:
-        key = self._key(self._pending[0])
-        batch = [r for r in self._pending if self._key(r) == key][: self.max_batch]
-        taken = {r.id for r in batch}
-        self._pending = [r for r in self._pending if r.id not in taken]
-        first = batch[0]
-        seed = first.seed if key[2] is not None else None
-        self._batch, self._shown, self._cancelled = batch, [""] * len(batch), set()
-        self._iter = self.gen.stream(
-            [r.prompt for r in batch], max_new_tokens=first.max_tokens,
-            temperature=[r.temperature for r in batch], top_k=[r.top_k for r in batch],
-            top_p=[r.top_p for r in batch], seed=seed, stop=list(first.stop), tree=self.tree)
+class _Running:
+    """A request's tokens so far and the text already streamed."""
 
-    def _final_events(self) -> List[Event]:
-        result = self.gen.last_result
-        events = []
-        for i, r in enumerate(self._batch):
-            if r.id in self._cancelled:
-                continue
-            text, s = result.texts[i], result.stats[i]
-            rest = text[len(self._shown[i]):] if text.startswith(self._shown[i]) else ""
-            stats = RequestStats(len(r.prompt), s.tokens, s.rounds, s.tau, list(s.accept_hist), s.seconds)
-            events.append(Event(r.id, text=rest, finish_reason=FINISH.get(s.finish_reason, "stop"), stats=stats))
-        return events
+    __slots__ = ("request", "tokens", "shown")
 
-    def _end_batch(self) -> None:
-        if self._iter is not None:
-            close = getattr(self._iter, "close", None)
-            if close is not None:
-                close()
-        self._iter, self._batch, self._shown, self._cancelled = None, [], [], set()
+    def __init__(self, request: GenRequest):
+        self.request, self.tokens, self.shown = request, [], 0
 
+    def advance(self, gen, ev) -> str:
+        """The text to stream now: what the stop strings and incomplete characters allow."""
+        from poss.decode.stopping import first_stop, safe_text
+
+        text = gen.decode(self.tokens)
+        if ev.finish_reason == "stop":  # cut right before the stop string
+            cut = first_stop(text, self.request.stop)
+            if cut is not None:
+                text = text[:cut]
+        visible = safe_text(text, self.request.stop, ev.finished)
+        if len(visible) <= self.shown:
+            return ""
+        piece, self.shown = visible[self.shown:], len(visible)
+        return piece

@@ -60,7 +60,7 @@ def run_serve(args) -> int:
     from poss.decode.params import TreeParams
     from poss.models.registry import shipped_draft
     from poss.serve.app import create_app
-    from poss.serve.backend import GeneratorBackend
+    from poss.serve.backend import ContinuousBackend
     from poss.serve.engine import Engine
     from poss.serve.metrics import Metrics
 
@@ -77,7 +77,7 @@ def run_serve(args) -> int:
         print(f"poss serve: {exc}", file=sys.stderr)
         return 2
     name = args.served_model_name or model_name(args.target)
-    backend = GeneratorBackend(gen, max_batch=args.max_batch, tree=tree)
+    backend = ContinuousBackend(gen, max_batch=args.max_batch, tree=tree)
     engine = Engine(backend, max_queue=args.max_queue, metrics=Metrics(max_tau=max(args.depth + 1, 1)))
     info = {"target": str(args.target), "draft": str(draft) if draft else None, "context_limit": backend.context_limit,
             "max_batch": args.max_batch, "num_nodes": args.num_nodes, "depth": args.depth}

@@ -1,0 +1,161 @@
+"""Continuous batching (:class:`poss.decode.engine.DecodeEngine`): requests that join a running batch at
+different rounds decode exactly what ``generate`` gives each alone (greedy, with and without a draft,
+caches growing on the way), a seeded sampled request gives the same tokens alone and among others, and
+a cancelled row leaves the batch at the next step with nothing left behind."""
+
+import pytest
+import torch
+
+from helpers.loop import eval_prompts, make_generator, tiny_target
+from helpers.loop import single_thread  # noqa: F401  (autouse: one CPU thread)
+from poss.decode.engine import DecodeEngine
+from poss.decode.params import SamplingParams, TreeParams
+
+TREE = TreeParams(num_nodes=10, depth=3, beam_width=3)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_target(seed=3)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["no-draft", "draft"])
+def gen(request, model):
+    return make_generator(model, draft=request.param, n=3, ppl=1, aligned=True)
+
+
+def run(engine, schedule, max_steps=500):
+    """Step ``engine``; ``schedule[k]`` = list of (key, add-kwargs) added before step k. Returns
+    {key: (tokens, final event)} and the batch sizes seen after every step."""
+    ids, out, sizes = {}, {}, []
+    for k in range(max_steps):
+        for key, kw in schedule.get(k, []):
+            ids[engine.add(**kw)] = key
+        for ev in engine.step():
+            toks, _ = out.get(ids[ev.id], ([], None))
+            out[ids[ev.id]] = (toks + ev.tokens, ev if ev.finished else None)
+        sizes.append(engine.active)
+        if not engine.has_work() and k >= max(schedule):
+            break
+    return out, sizes
+
+
+def test_requests_joining_at_different_rounds_decode_what_generate_gives_alone(gen):
+    prompts = eval_prompts(1)[:6]
+    budgets = [12, 30, 8, 40, 25, 60]  # later, longer requests make the caches grow mid-run
+    want = [gen.generate([p], n, tree=TREE) for p, n in zip(prompts, budgets)]
+    engine = DecodeEngine(gen, TREE, max_batch=3)
+    schedule = {0: [(0, dict(prompt_ids=prompts[0], max_new_tokens=budgets[0]))],
+                2: [(1, dict(prompt_ids=prompts[1], max_new_tokens=budgets[1])),
+                    (2, dict(prompt_ids=prompts[2], max_new_tokens=budgets[2]))],
+                3: [(3, dict(prompt_ids=prompts[3], max_new_tokens=budgets[3]))],  # waits: batch full
+                5: [(4, dict(prompt_ids=prompts[4], max_new_tokens=budgets[4])),
+                    (5, dict(prompt_ids=prompts[5], max_new_tokens=budgets[5]))]}
+    out, sizes = run(engine, schedule)
+    for i, w in enumerate(want):
+        tokens, final = out[i]
+        assert tokens == w.token_ids[0], f"request {i}"
+        assert final.finish_reason == w.stats[0].finish_reason
+        assert final.stats.tokens == len(tokens)
+        assert final.stats.accept_hist == w.stats[0].accept_hist  # the same rounds, row by row
+    assert max(sizes) == 3 and sizes[-1] == 0
+    assert engine.batch.size == 0 and not engine._live  # nothing left behind
+
+
+def test_a_seeded_sampled_request_is_the_same_alone_and_among_others(model):
+    gen = make_generator(model, draft=True, n=3, ppl=1, aligned=True)
+    prompts = eval_prompts(1)
+    mine = dict(prompt_ids=prompts[0], max_new_tokens=30,
+                sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=11))
+    alone, _ = run(DecodeEngine(gen, TREE), {0: [("me", mine)]})
+    others = {0: [("a", dict(prompt_ids=prompts[1], max_new_tokens=40, sampling=SamplingParams(temperature=1.0, seed=5)))],
+              1: [("b", dict(prompt_ids=prompts[2], max_new_tokens=20))],
+              2: [("me", mine)],
+              3: [("c", dict(prompt_ids=prompts[3], max_new_tokens=40, sampling=SamplingParams(temperature=0.7)))]}
+    among, _ = run(DecodeEngine(gen, TREE, max_batch=4), others)
+    assert among["me"][0] == alone["me"][0] and len(alone["me"][0]) > 0
+    again, _ = run(DecodeEngine(gen, TREE), {0: [("me", {**mine, "sampling": SamplingParams(temperature=0.9, top_p=0.95, seed=12)})]})
+    assert again["me"][0] != alone["me"][0]  # the seed matters
+
+
+def test_cancel_mid_way_then_a_new_request_is_served_with_no_ghost_rows(gen):
+    prompts = eval_prompts(1)
+    engine = DecodeEngine(gen, TREE, max_batch=2)
+    gone = engine.add(prompts[0], 60)
+    stay = engine.add(prompts[1], 40)
+    got = {gone: [], stay: []}
+    for _ in range(3):
+        for ev in engine.step():
+            got[ev.id] += ev.tokens
+    assert engine.active == 2 and not engine.batch.requests[0].finished
+    assert engine.cancel(gone) and not engine.cancel(gone)  # a second cancel is a no-op
+    late = engine.add(prompts[2], 25)  # waits for the cancelled row's slot
+    got[late] = []
+    finals = {}
+    while engine.has_work():
+        for ev in engine.step():
+            got[ev.id] += ev.tokens
+            if ev.finished:
+                finals[ev.id] = ev
+                assert ev.id != gone or not ev.tokens
+        assert engine.active <= 2
+        assert all(not r.finished for r in engine.batch.requests)  # finished rows leave at once
+        assert gone not in [r.index for r in engine.batch.requests]
+    assert finals[gone].finish_reason == "cancelled"
+    assert got[stay] == gen.generate([prompts[1]], 40, tree=TREE).token_ids[0]
+    assert got[late] == gen.generate([prompts[2]], 25, tree=TREE).token_ids[0]
+    assert engine.active == 0 and engine.pending == 0 and not engine._live
+    # a waiting request cancelled before it ran ends at the next step, without a prefill
+    w = engine.add(prompts[3], 10)
+    assert engine.cancel(w) and engine.pending == 0
+    evs = engine.step()
+    assert [(e.id, e.finish_reason, e.tokens) for e in evs] == [(w, "cancelled", [])]
+
+
+def test_zero_and_one_token_requests_and_bad_requests(gen):
+    prompts = eval_prompts(1)
+    engine = DecodeEngine(gen, TREE)
+    a, b, c = engine.add(prompts[0], 0), engine.add(prompts[1], 1), engine.add(prompts[2], 5)
+    evs = {e.id: e for e in engine.step()}
+    assert evs[a].finished and evs[a].finish_reason == "length" and evs[a].tokens == []
+    assert evs[b].finished and evs[b].tokens == gen.generate([prompts[1]], 1, tree=TREE).token_ids[0]
+    assert engine.active == 1  # only c runs the round
+    with pytest.raises(ValueError, match="empty"):
+        engine.add([], 5)
+    with pytest.raises(ValueError, match="context limit"):
+        engine.add([5] * gen.context_limit, 5)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.add(prompts[0], -1)
+
+
+def test_continuous_backend_events_text_and_refusals(model):
+    """The serve backend on the engine: text pieces add up to ``generate``'s text, a refused request
+    fails alone, a failing round fails what it held and the backend keeps serving."""
+    from poss.serve.backend import ContinuousBackend, GenRequest
+
+    gen = make_generator(model, draft=True, n=3, ppl=1, aligned=True)
+    prompts = eval_prompts(1)
+    backend = ContinuousBackend(gen, max_batch=2, tree=TREE)
+    backend.add(GenRequest("a", prompts[0], 20))
+    backend.add(GenRequest("too-long", [5] * gen.context_limit, 5))
+    assert backend.free_slots() == 1
+    events = []
+    while backend.has_work():
+        events += backend.step()
+    finals = {e.id: e for e in events if e.finished}
+    assert finals["too-long"].finish_reason == "error" and "context limit" in finals["too-long"].error
+    want = gen.generate([prompts[0]], 20, tree=TREE)
+    assert finals["a"].stats.completion_tokens == len(want.token_ids[0])
+    assert finals["a"].finish_reason == {"eos": "stop"}.get(want.stats[0].finish_reason, "length")
+    backend.add(GenRequest("b", prompts[1], 10))
+    real_round, gen.round = gen.round, None  # a round that fails
+    try:
+        evs = backend.step()
+    finally:
+        gen.round = real_round
+    assert [(e.id, e.finish_reason) for e in evs] == [("b", "error")]
+    assert backend.active() == 0 and not backend.has_work()
+    backend.add(GenRequest("c", prompts[2], 8))
+    while backend.has_work():
+        evs = backend.step()
+    assert evs[-1].id == "c" and evs[-1].stats.completion_tokens == len(gen.generate([prompts[2]], 8, tree=TREE).token_ids[0])
