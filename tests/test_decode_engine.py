@@ -4,10 +4,13 @@ caches growing on the way), a seeded sampled request gives the same tokens alone
 a cancelled row leaves the batch at the next step with nothing left behind."""
 
 import pytest
-import torch
 
-from helpers.loop import eval_prompts, make_generator, tiny_target
-from helpers.loop import single_thread  # noqa: F401  (autouse: one CPU thread)
+from helpers.loop import (
+    eval_prompts,
+    make_generator,
+    single_thread,  # noqa: F401  (autouse: one CPU thread)
+    tiny_target,
+)
 from poss.decode.engine import DecodeEngine
 from poss.decode.params import SamplingParams, TreeParams
 
@@ -115,7 +118,7 @@ def test_cancel_mid_way_then_a_new_request_is_served_with_no_ghost_rows(gen):
 def test_zero_and_one_token_requests_and_bad_requests(gen):
     prompts = eval_prompts(1)
     engine = DecodeEngine(gen, TREE)
-    a, b, c = engine.add(prompts[0], 0), engine.add(prompts[1], 1), engine.add(prompts[2], 5)
+    a, b, _ = engine.add(prompts[0], 0), engine.add(prompts[1], 1), engine.add(prompts[2], 5)
     evs = {e.id: e for e in engine.step()}
     assert evs[a].finished and evs[a].finish_reason == "length" and evs[a].tokens == []
     assert evs[b].finished and evs[b].tokens == gen.generate([prompts[1]], 1, tree=TREE).token_ids[0]

@@ -24,8 +24,8 @@ MODEL = "tiny"
 def folder(tmp_path_factory):
     """A tiny random Llama + ChatML byte tokenizer saved as an HF folder, and a random PosS draft."""
     from helpers.loop import random_draft, tiny_target
-    from poss.models.target import TargetRunner
     from helpers.train_tiny import byte_tokenizer
+    from poss.models.target import TargetRunner
 
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("serve")

@@ -12,10 +12,10 @@ import pytest
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 
+from helpers.serve import free_port  # noqa: E402
 from poss.serve.app import create_app  # noqa: E402
 from poss.serve.backend import Backend, Event, GenRequest, RequestStats  # noqa: E402
 from poss.serve.engine import Engine, QueueFull  # noqa: E402
-from helpers.serve import free_port  # noqa: E402
 
 
 class FakeBackend(Backend):

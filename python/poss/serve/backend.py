@@ -21,7 +21,7 @@ This module is the only place that depends on the decoding API (``DecodeEngine``
 """
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
@@ -112,7 +112,7 @@ class Backend(abc.ABC):
     def has_work(self) -> bool:
         return self.active() > 0 or self.pending() > 0
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  (optional hook: most backends hold nothing to release)
         """Stop any running batch (shutdown)."""
 
 
