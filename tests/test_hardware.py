@@ -38,3 +38,22 @@ def test_this_machine_is_described():
 def test_read_bandwidth_is_plausible():
     gbs = hardware.read_bandwidth_gbs(megabytes=64, repeats=2)
     assert 0.1 < gbs < 10_000
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["avx2-fp32", "amx-bf16"])
+def test_load_resolves_auto_dtype(tmp_path, monkeypatch, fast):
+    """``poss.load`` defaults to ``dtype="auto"``: the runner computes in the resolved dtype."""
+    import poss
+    from helpers.loop import tiny_target
+    from helpers.train_tiny import byte_tokenizer
+
+    model, tok = tiny_target(vocab=300), byte_tokenizer()
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2", "amx_bf16"} if fast else {"avx2"}))
+    want = hardware.resolve_dtype("auto", "cpu")
+    assert want == (torch.bfloat16 if fast else torch.float32)
+    gen = poss.load(tmp_path)
+    assert gen.runner.dtype == want and gen.runner.lm_head.dtype == want
+    assert poss.load(tmp_path, dtype=torch.float32).runner.dtype == torch.float32
+    assert poss.load(tmp_path, dtype="bf16").runner.dtype == torch.bfloat16
