@@ -22,6 +22,7 @@ on an AMX machine add ``-DGGML_AVX512=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -130,7 +131,7 @@ def matches(rows: List[Dict], ref: Dict) -> None:
 
 # -- the whole run ------------------------------------------------------------------------------------
 def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", drafts: Optional[List[str]] = None,
-        fixed=((60, 6), (32, 5), (16, 4), (8, 3), (4, 2)), sweep_draft: str = "poss2",
+        fixed=((60, 6), (16, 4), (8, 3), (4, 2)), sweep_draft: str = "poss2",
         llama: bool = True, hf_rows: bool = True, log=print) -> Dict:
     """Every row on the real SmolLM2-135M-Instruct (registry) and its shipped drafts."""
     import poss
@@ -145,7 +146,8 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
     dt = hardware.resolve_dtype(dtype)
     out = {"header": hardware.header(dt, threads), "machine": hardware.describe(dt, threads),
            "read_bandwidth_gbs": hardware.read_bandwidth_gbs(), "prompts": n_prompts, "new_tokens": new,
-           "started": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": [], "auto": {}}
+           "started": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": [], "auto": {},
+           "loadavg_start": os.getloadavg()}
     log(out["header"])
     t0 = time.perf_counter()
     gen = poss.load("smollm2-135m", dtype=dt)
@@ -164,14 +166,24 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
         out["auto"][folder.name] = {"tree": f"{auto.num_nodes}/{auto.depth}", "calibration": cal.to_json(),
                                     "calibration_seconds": time.perf_counter() - t,
                                     "top": score_table(cal)[:6]}
-        trees = [("auto", auto)] + [(f"{T}/{d}", TreeParams(num_nodes=T, depth=d))
-                                    for T, d in (fixed if folder.name == sweep_draft else fixed[:1])]
-        for label, tree in trees:
-            r = ours(gen, prompts, new, f"{folder.name} {label}" + (f" (= {tree.num_nodes}/{tree.depth})"
-                                                                     if label == "auto" else ""), tree, "draft")
+        measured = {}
+        for T, d in (fixed if folder.name == sweep_draft else fixed[:1]):
+            r = ours(gen, prompts, new, f"{folder.name} {T}/{d}", TreeParams(num_nodes=T, depth=d), "draft")
             r["draft"] = folder.name
             rows.append(r)
+            measured[(T, d)] = r
             log(f"  {r['name']}: {r['tokens_per_s']:.1f} tok/s, tau {r['tau']:.2f}")
+        key = (auto.num_nodes, auto.depth)
+        name = f"{folder.name} auto (= {auto.num_nodes}/{auto.depth})"
+        if key in measured or auto.depth == 0:
+            # The same configuration was timed in this run (root-only = our AR loop's code path): reuse it.
+            same = measured.get(key, ar)
+            r = {**{k: v for k, v in same.items() if k != "bandwidth"}, "name": name, "kind": "draft", "draft": folder.name, "reused_from": same["name"]}
+        else:
+            r = ours(gen, prompts, new, name, auto, "draft")
+            r["draft"] = folder.name
+        rows.insert(len(rows) - len(measured), r)
+        log(f"  {r['name']}: {r['tokens_per_s']:.1f} tok/s, tau {r['tau']:.2f}")
     gen.draft = None
     if hf_rows:
         _, model = load_model(resolve("smollm2-135m"), dtype=dt)
@@ -191,6 +203,7 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
     matches(rows, ar)
     out["rows"] = rows
     out["wall_seconds"] = time.perf_counter() - t0
+    out["loadavg_end"] = os.getloadavg()
     return out
 
 

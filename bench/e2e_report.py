@@ -18,7 +18,9 @@ def table(res: Dict) -> str:
     ar = _find(rows, "our AR loop")
     hfg = _find(rows, "HF generate")
     lines = [f"Machine: {res['header']}. {res['prompts']} MT-Bench prompts x {res['new_tokens']} new tokens, "
-             "batch 1, greedy.", "",
+             "batch 1, greedy." + (f" Load average {res['loadavg_start'][0]:.1f} at the start, "
+                                   f"{res['loadavg_end'][0]:.1f} at the end (2 cores, shared)."
+                                   if "loadavg_end" in res else ""), "",
              "| system | tree (nodes/depth) | tokens/s | x our AR | x HF generate | tau | identical to our AR |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
