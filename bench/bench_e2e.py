@@ -120,7 +120,8 @@ def weight_bytes(runner) -> int:
 def bandwidth(row: Dict, runner) -> Dict:
     """gpt-fast style: weight bytes x AR steps / decode time (prefill excluded)."""
     wb = weight_bytes(runner)
-    return {"weight_bytes": wb, "steps": row["rounds"], "achieved_gbs": wb * row["rounds"] / row["decode_seconds"] / 1e9}
+    return {"weight_bytes": wb, "steps": row["rounds"],
+            "achieved_gbs": wb * row["rounds"] / row["decode_seconds"] / 1e9}
 
 
 def matches(rows: List[Dict], ref: Dict) -> None:
@@ -178,7 +179,8 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
         if key in measured or auto.depth == 0:
             # The same configuration was timed in this run (root-only = our AR loop's code path): reuse it.
             same = measured.get(key, ar)
-            r = {**{k: v for k, v in same.items() if k != "bandwidth"}, "name": name, "kind": "draft", "draft": folder.name, "reused_from": same["name"]}
+            r = {**{k: v for k, v in same.items() if k != "bandwidth"}, "name": name, "kind": "draft",
+                 "draft": folder.name, "reused_from": same["name"]}
         else:
             r = ours(gen, prompts, new, name, auto, "draft")
             r["draft"] = folder.name

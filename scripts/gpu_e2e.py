@@ -107,7 +107,8 @@ def loop(runner, draft, dev, ctx, new) -> dict:
     from poss.decode.generator import Generator
 
     gen = Generator(runner, draft=None, end_ids=set())
-    prompt = [int(t) for t in torch.randint(10, runner.lm_head.shape[0] - 10, (ctx,), generator=torch.Generator().manual_seed(0))]
+    ids = torch.randint(10, runner.lm_head.shape[0] - 10, (ctx,), generator=torch.Generator().manual_seed(0))
+    prompt = ids.tolist()
     res = {}
     for name, d, kw in (("decode step", None, dict(depth=0)), ("60/6 round", draft, dict(num_nodes=60, depth=6))):
         gen.draft = d

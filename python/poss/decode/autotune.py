@@ -19,7 +19,8 @@ independent guess) are fitted to the tau measured in the calibration rounds; wit
 decoding), which wins when the draft is too weak or the machine makes a tree forward too expensive.
 
 Costs are timed once (:func:`calibrate`) by greedy generation with the generator's own profile on
-MT-Bench prompts (by default one prompt, 32 tokens per config, interleaved; lower quartile per round) at T in {1, 4, 8, 16, 32, 60} and d in {1..6}, and cached as JSON under
+MT-Bench prompts (by default one prompt, 32 tokens per config, interleaved; lower quartile per round)
+at T in {1, 4, 8, 16, 32, 60} and d in {1..6}, and cached as JSON under
 ``<poss cache>/autotune/`` keyed by CPU model, threads, dtype, target and draft fingerprints.
 """
 
@@ -38,6 +39,7 @@ DEPTHS = (1, 2, 3, 4, 5, 6)
 # Calibration configs (T, d): every size and every depth timed at least once.
 CALIBRATION = ((1, 0), (4, 1), (8, 2), (16, 3), (32, 4), (60, 5), (60, 6))
 DEFAULT_S, DEFAULT_BETA = 1.0, 0.5
+CACHE_VERSION = 1  # bump when what is measured changes: old cache files are then ignored
 
 
 @dataclass
@@ -154,7 +156,8 @@ def cache_key(gen) -> Dict:
     from poss.models.target import weight_fingerprint
 
     draft = gen.draft
-    return {"cpu": hardware.cpu_model() if gen.runner.device.type == "cpu" else torch.cuda.get_device_name(),
+    return {"method": CACHE_VERSION,
+            "cpu": hardware.cpu_model() if gen.runner.device.type == "cpu" else torch.cuda.get_device_name(),
             "threads": torch.get_num_threads(), "dtype": str(gen.runner.dtype).replace("torch.", ""),
             "target": gen.runner.fingerprint(),
             "draft": weight_fingerprint(list(draft.named_parameters())) if draft is not None else None}
@@ -201,7 +204,8 @@ def measure(gen, prompts: Sequence, new_tokens: int = 32, configs=CALIBRATION,
                 counts[(T, d)][0] += res.stats[0].tokens - 1  # the prefill makes the first token
                 counts[(T, d)][1] += res.stats[0].rounds
                 prof = gen.profile
-                verify.setdefault(T, []).extend(sum(x) for x in zip(*(prof.get(k, []) for k in ("verify", "commit", "host"))))
+                phases = zip(*(prof.get(k, []) for k in ("verify", "commit", "host")))
+                verify.setdefault(T, []).extend(sum(x) for x in phases)
                 if d:
                     draft.setdefault(d, []).extend(prof["draft"])
     finally:
