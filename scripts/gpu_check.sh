@@ -22,3 +22,6 @@ echo "== CUDA benchmarks"
 POSS_BENCH_DEVICE=cuda python3 -m pytest bench/bench_tree_verify.py -q -p no:cacheprovider --benchmark-only \
   -k "not reference" --benchmark-json="$out/tree_verify_cuda.json" >"$out/bench.log" 2>&1 || tail -30 "$out/bench.log"
 python3 bench/report.py "$out/tree_verify_cuda.json"
+
+echo "== end-to-end loop, synthetic Llama-3-8B shapes (random weights, bf16)"
+timeout 420 python3 scripts/gpu_e2e.py --json "$out/e2e_llama3_8b.json" 2>&1 | tee "$out/e2e.log" | grep -v "^Loading"

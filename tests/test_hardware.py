@@ -38,3 +38,42 @@ def test_this_machine_is_described():
 def test_read_bandwidth_is_plausible():
     gbs = hardware.read_bandwidth_gbs(megabytes=64, repeats=2)
     assert 0.1 < gbs < 10_000
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["avx2-fp32", "amx-bf16"])
+def test_load_resolves_auto_dtype(tmp_path, monkeypatch, fast):
+    """``poss.load`` defaults to ``dtype="auto"``: the runner computes in the resolved dtype."""
+    import poss
+    from helpers.loop import tiny_target
+    from helpers.train_tiny import byte_tokenizer
+
+    model, tok = tiny_target(vocab=300), byte_tokenizer()
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2", "amx_bf16"} if fast else {"avx2"}))
+    want = hardware.resolve_dtype("auto", "cpu")
+    assert want == (torch.bfloat16 if fast else torch.float32)
+    gen = poss.load(tmp_path)
+    assert gen.runner.dtype == want and gen.runner.lm_head.dtype == want
+    assert poss.load(tmp_path, dtype=torch.float32).runner.dtype == torch.float32
+    assert poss.load(tmp_path, dtype="bf16").runner.dtype == torch.bfloat16
+
+
+def test_gpu_e2e_script_runs_on_tiny_shapes(tmp_path):
+    """scripts/gpu_e2e.py (the end-to-end part of scripts/gpu_check.sh) on the CPU with tiny shapes."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "python")]), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "e2e.json"
+    p = subprocess.run([sys.executable, str(root / "scripts" / "gpu_e2e.py"), "--tiny", "--device", "cpu",
+                        "--context", "32", "--new", "8", "--json", str(out)], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "ratios to one decode step" in p.stdout and "| decoder_layer | 60 |" in p.stdout
+    res = json.loads(out.read_text())
+    assert res["ratio_round_to_step"] > 0 and res["loop"]["60/6 round"]["rounds"] >= 1

@@ -9,17 +9,21 @@ from poss.decode.generator import Generator
 
 
 def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, Path]] = None,
-         dtype: torch.dtype = torch.float32, device="cpu", context_limit: Optional[int] = None) -> Generator:
+         dtype: Union[str, torch.dtype] = "auto", device="cpu", context_limit: Optional[int] = None) -> Generator:
     """Load the target offline and, when ``draft`` is a PosS draft folder, attach it.
 
     With ``draft=None`` the generator decodes autoregressively on the same runner (the baseline);
     :func:`poss.models.registry.shipped_draft` names the draft shipped for a registry target.
-    Raises ``ValueError`` when the draft was trained for a different target.
+    ``dtype``: ``"auto"`` (the default) runs in bf16 on CUDA and on CPUs with hardware bf16 (AMX /
+    AVX512-BF16), else fp32 (:func:`poss.hardware.resolve_dtype`); a name (``"bf16"``) or a torch dtype
+    is used as given. Raises ``ValueError`` when the draft was trained for a different target.
     """
+    from poss.hardware import resolve_dtype
     from poss.models.draft import PosSDraft
     from poss.models.registry import load_model, resolve
     from poss.models.target import TargetRunner
 
+    dtype = resolve_dtype(dtype, device)
     path = resolve(target)
     tokenizer, model = load_model(path, dtype=dtype, device=device)
     # Small initial caches: the generator grows them to each call's batch and length.

@@ -1,0 +1,248 @@
+"""Tree size by measurement: pick ``(num_nodes, depth)`` that maximises expected tokens per second on
+this machine, dtype, target and draft.
+
+A round costs ``draft(d) + verify(T)`` (``verify`` here is everything of a round that is not
+drafting: the target's tree forward, ``tree_verify``, commit and host bookkeeping) and yields, in
+expectation, ``E(T, d)`` tokens. The model (kept simple on purpose):
+
+    w      = min(beam_width, (T - 1) / d)              nodes per level when T - 1 nodes share d levels
+    a_i(w) = 1 - (1 - min(1, s * p_i)) ** (w ** beta)  the chance that level i holds the target's token
+                                                       given that its parent did; p_i is the draft's
+                                                       top-1 accuracy at position i
+    E(T,d) = 1 + sum_{k<=d} prod_{i<=k} a_i(w)         the bonus token plus the expected accepted length
+
+``p_i`` comes from the draft's validation (``config.json`` ``training.val.acc``, one value per trained
+position, the last one repeated deeper). ``s`` (how much easier the prompts are than the validation
+set) and ``beta`` (how much a second, third... sibling adds: 0 = nothing, 1 = as much as an
+independent guess) are fitted to the tau measured in the calibration rounds; without those rounds
+``s = 1, beta = 0.5``. The choice includes the root-only tree (T = 1, d = 0: plain autoregressive
+decoding), which wins when the draft is too weak or the machine makes a tree forward too expensive.
+
+Costs are timed once (:func:`calibrate`) by greedy generation with the generator's own profile on
+MT-Bench prompts (by default one prompt, 32 tokens per config, interleaved; lower quartile per round)
+at T in {1, 4, 8, 16, 32, 60} and d in {1..6}, and cached as JSON under
+``<poss cache>/autotune/`` keyed by CPU model, threads, dtype, target and draft fingerprints.
+"""
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from poss.decode.params import TreeParams
+
+SIZES = (1, 4, 8, 16, 32, 60)
+DEPTHS = (1, 2, 3, 4, 5, 6)
+# Calibration configs (T, d): every size and every depth timed at least once.
+CALIBRATION = ((1, 0), (4, 1), (8, 2), (16, 3), (32, 4), (60, 5), (60, 6))
+DEFAULT_S, DEFAULT_BETA = 1.0, 0.5
+CACHE_VERSION = 1  # bump when what is measured changes: old cache files are then ignored
+
+
+@dataclass
+class Calibration:
+    """Measured per-round milliseconds and the fitted acceptance model."""
+
+    verify_ms: Dict[int, float]  # num_nodes -> ms per round for everything but drafting
+    draft_ms: Dict[int, float]  # depth -> ms per round of drafting
+    acc: List[float]  # the draft's per-position top-1 accuracy p_i
+    s: float = DEFAULT_S
+    beta: float = DEFAULT_BETA
+    measured_tau: List[Tuple[int, int, float]] = field(default_factory=list)  # (T, d, tau)
+    key: Dict = field(default_factory=dict)
+
+    def to_json(self) -> Dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: Dict) -> "Calibration":
+        d = dict(d)
+        d["verify_ms"] = {int(k): v for k, v in d["verify_ms"].items()}
+        d["draft_ms"] = {int(k): v for k, v in d["draft_ms"].items()}
+        d["measured_tau"] = [tuple(x) for x in d.get("measured_tau", [])]
+        return cls(**d)
+
+
+# -- the model ---------------------------------------------------------------------------------------
+def level_width(num_nodes: int, depth: int, beam_width: int) -> float:
+    return min(float(beam_width), (num_nodes - 1) / depth) if depth else 0.0
+
+
+def expected_tokens(acc: Sequence[float], num_nodes: int, depth: int, beam_width: int = 10,
+                    s: float = DEFAULT_S, beta: float = DEFAULT_BETA) -> float:
+    """``E(T, d)``: expected tokens per round (1 for the root-only tree)."""
+    d = min(depth, num_nodes - 1)
+    if d <= 0:
+        return 1.0
+    w = level_width(num_nodes, d, beam_width)
+    e, chain = 1.0, 1.0
+    for i in range(d):
+        p = min(1.0, s * (acc[i] if i < len(acc) else acc[-1]))
+        chain *= 1.0 - (1.0 - p) ** (w ** beta)
+        e += chain
+    return e
+
+
+def interpolate(table: Dict[int, float], x: int) -> float:
+    """Piecewise-linear in ``x`` over the measured points (flat beyond them)."""
+    xs = sorted(table)
+    if x <= xs[0]:
+        return table[xs[0]]
+    if x >= xs[-1]:
+        return table[xs[-1]]
+    for lo, hi in zip(xs, xs[1:]):
+        if lo <= x <= hi:
+            return table[lo] + (table[hi] - table[lo]) * (x - lo) / (hi - lo)
+    raise AssertionError
+
+
+def round_ms(cal: Calibration, num_nodes: int, depth: int) -> float:
+    return interpolate(cal.verify_ms, num_nodes) + (interpolate(cal.draft_ms, depth) if depth else 0.0)
+
+
+def candidates(sizes=SIZES, depths=DEPTHS) -> List[Tuple[int, int]]:
+    out = [(1, 0)]
+    for T in sizes:
+        out += [(T, d) for d in depths if 1 <= d <= T - 1]
+    return out
+
+
+def score_table(cal: Calibration, beam_width: int = 10, sizes=SIZES, depths=DEPTHS) -> List[Dict]:
+    """Every candidate ``(T, d)`` with its expected tokens per round, ms per round and tokens/s, best first."""
+    rows = []
+    for T, d in candidates(sizes, depths):
+        e = expected_tokens(cal.acc, T, d, beam_width, cal.s, cal.beta)
+        ms = round_ms(cal, T, d)
+        rows.append({"num_nodes": T, "depth": d, "tokens_per_round": e, "ms_per_round": ms,
+                     "tokens_per_s": 1e3 * e / ms})
+    rows.sort(key=lambda r: (-r["tokens_per_s"], r["num_nodes"], r["depth"]))
+    return rows
+
+
+def choose(cal: Calibration, beam_width: int = 10, sizes=SIZES, depths=DEPTHS) -> TreeParams:
+    """The ``TreeParams`` with the highest expected tokens/s (ties: the smaller tree)."""
+    best = score_table(cal, beam_width, sizes, depths)[0]
+    return TreeParams(num_nodes=best["num_nodes"], depth=best["depth"], beam_width=beam_width)
+
+
+def fit_acceptance(acc: Sequence[float], measured: Sequence[Tuple[int, int, float]],
+                   beam_width: int = 10) -> Tuple[float, float]:
+    """``(s, beta)`` minimising the squared error of ``E(T, d)`` against the measured tau (grid search)."""
+    pts = [(T, d, tau) for T, d, tau in measured if d >= 1 and T > 1]
+    if not pts:
+        return DEFAULT_S, DEFAULT_BETA
+    best = None
+    for s in [0.25 + 0.05 * i for i in range(76)]:  # 0.25 .. 4.0
+        for beta in [0.05 * i for i in range(21)]:  # 0 .. 1
+            err = sum((expected_tokens(acc, T, d, beam_width, s, beta) - tau) ** 2 for T, d, tau in pts)
+            if best is None or err < best[0] - 1e-12:
+                best = (err, s, beta)
+    return round(best[1], 4), round(best[2], 4)
+
+
+# -- the measurement ---------------------------------------------------------------------------------
+def draft_accuracy(draft) -> List[float]:
+    """Per-position top-1 accuracy from the draft's validation (``training.val.acc``); 0.2 if absent."""
+    training = getattr(draft.config, "training", None) or {}
+    acc = (training.get("val") or {}).get("acc") if isinstance(training, dict) else None
+    return [float(a) for a in acc] if acc else [0.2]
+
+
+def cache_key(gen) -> Dict:
+    from poss import hardware
+    from poss.models.target import weight_fingerprint
+
+    draft = gen.draft
+    return {"method": CACHE_VERSION,
+            "cpu": hardware.cpu_model() if gen.runner.device.type == "cpu" else torch.cuda.get_device_name(),
+            "threads": torch.get_num_threads(), "dtype": str(gen.runner.dtype).replace("torch.", ""),
+            "target": gen.runner.fingerprint(),
+            "draft": weight_fingerprint(list(draft.named_parameters())) if draft is not None else None}
+
+
+def cache_path(key: Dict):
+    from poss.models.downloads import cache_root
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / "autotune" / f"{digest}.json"
+
+
+def calibration_prompts(n: int) -> List[str]:
+    from poss.data.eval_sets import load_eval_set
+
+    return [r["turns"][0] for r in load_eval_set("mt_bench")[-n:]]  # the last ones: benchmarks use the first
+
+
+def _low(xs: Sequence[float]) -> float:
+    """The lower quartile: on a shared machine the uncontended cost, robust to one slow round."""
+    xs = sorted(xs)
+    return xs[len(xs) // 4]
+
+
+def measure(gen, prompts: Sequence, new_tokens: int = 32, configs=CALIBRATION,
+            beam_width: int = 10) -> Calibration:
+    """Time every ``(T, d)`` of ``configs`` with greedy generation (batch 1) and fit the acceptance.
+
+    Configs are interleaved per prompt (a load spike on a shared machine hits all of them alike), and
+    each cost is the lower quartile of its per-round times.
+    """
+    configs = [(T, d) for T, d in configs if gen.draft is not None or not d]
+    verify: Dict[int, List[float]] = {}
+    draft: Dict[int, List[float]] = {}
+    counts = {c: [0, 0] for c in configs}  # tokens after the first, rounds
+    saved_end, saved_profile = gen.end_ids, gen.profile
+    gen.end_ids = set()  # every request runs its full length
+    try:
+        gen.generate([prompts[0]], 4, num_nodes=60, depth=6 if gen.draft else 0)  # warm-up
+        for p in prompts:
+            for T, d in configs:
+                gen.profile = {}
+                res = gen.generate([p], new_tokens, num_nodes=T, depth=d, beam_width=beam_width)
+                counts[(T, d)][0] += res.stats[0].tokens - 1  # the prefill makes the first token
+                counts[(T, d)][1] += res.stats[0].rounds
+                prof = gen.profile
+                phases = zip(*(prof.get(k, []) for k in ("verify", "commit", "host")))
+                verify.setdefault(T, []).extend(sum(x) for x in phases)
+                if d:
+                    draft.setdefault(d, []).extend(prof["draft"])
+    finally:
+        gen.end_ids, gen.profile = saved_end, saved_profile
+    taus = [(T, d, n / max(r, 1)) for (T, d), (n, r) in counts.items() if d]
+    acc = draft_accuracy(gen.draft) if gen.draft is not None else [0.0]
+    s, beta = fit_acceptance(acc, taus, beam_width)
+    return Calibration({k: 1e3 * _low(v) for k, v in verify.items()},
+                       {k: 1e3 * _low(v) for k, v in draft.items()} or {1: 0.0}, acc, s, beta, taus)
+
+
+def calibrate(gen, n_prompts: int = 1, new_tokens: int = 32, refresh: bool = False, cache: bool = True,
+              prompts: Optional[Sequence] = None) -> Calibration:
+    """The cached calibration of ``gen`` (measured on first use: tens of seconds on a small CPU model)."""
+    key = cache_key(gen)
+    path = cache_path(key)
+    if cache and not refresh and path.exists():
+        try:
+            return Calibration.from_json(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError):
+            pass
+    if prompts is None:
+        prompts = [gen.encode(t) for t in calibration_prompts(n_prompts)] if gen.tokenizer is not None else None
+    if not prompts:
+        raise ValueError("calibration needs prompts (this generator has no tokenizer: pass token ids)")
+    t = time.perf_counter()
+    cal = measure(gen, prompts, new_tokens)
+    cal.key = {**key, "seconds": round(time.perf_counter() - t, 1), "n_prompts": len(prompts),
+               "new_tokens": new_tokens}
+    if cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(cal.to_json(), indent=1))
+    return cal
+
+
+def auto_tree(gen, beam_width: int = 10, **calibrate_kw) -> TreeParams:
+    """``TreeParams`` for ``gen`` maximising expected tokens/s (root-only when there is no draft)."""
+    if gen.draft is None:
+        return TreeParams(num_nodes=1, depth=0, beam_width=beam_width)
+    return choose(calibrate(gen, **calibrate_kw), beam_width)

@@ -1,0 +1,115 @@
+"""Tree size by measurement (poss.decode.autotune): the selection logic on synthetic costs and
+acceptance profiles (deterministic), and a lossless generate with the tree it picks on a tiny model."""
+
+import json
+
+import pytest
+import torch
+
+from helpers.loop import eval_prompts, hf_greedy, make_generator, tiny_target
+from helpers.loop import single_thread  # noqa: F401  (autouse: one CPU thread)
+from poss.decode import autotune
+from poss.decode.autotune import Calibration, choose, expected_tokens, fit_acceptance, score_table
+from poss.decode.params import TreeParams
+
+
+def cal(verify, draft, acc, s=1.0, beta=0.5):
+    return Calibration(dict(verify), dict(draft), list(acc), s, beta)
+
+
+def test_expected_tokens_model():
+    acc = [0.5, 0.4, 0.3]
+    assert expected_tokens(acc, 1, 0) == 1.0
+    # one node per level (a chain): 1 + a1 + a1*a2 with a_i = p_i
+    assert expected_tokens(acc, 4, 3, beta=0.5) == pytest.approx(1 + 0.5 + 0.5 * 0.4 + 0.5 * 0.4 * 0.3)
+    # wider trees accept more, deeper trees accept more, never more than depth + 1
+    assert expected_tokens(acc, 16, 3) > expected_tokens(acc, 4, 3)
+    assert expected_tokens(acc, 16, 3) > expected_tokens(acc, 16, 2)
+    assert expected_tokens([1.0], 60, 6) == pytest.approx(7.0)
+    # beyond the trained positions the last accuracy repeats; a tree shallower than its depth is capped
+    assert expected_tokens(acc, 3, 6) == expected_tokens(acc, 3, 2)
+
+
+FLAT = {1: 30.0, 4: 31.0, 8: 32.0, 16: 34.0, 32: 38.0, 60: 45.0}  # a GPU-like verify: nearly free nodes
+STEEP = {1: 30.0, 4: 45.0, 8: 60.0, 16: 90.0, 32: 150.0, 60: 250.0}  # a small CPU: every node costs
+DRAFT = {d: 2.0 * d for d in range(1, 7)}
+
+
+def test_cheap_verify_and_good_draft_pick_a_big_deep_tree():
+    t = choose(cal(FLAT, DRAFT, [0.8] * 6))
+    assert t.num_nodes >= 32 and t.depth >= 5
+
+
+def test_expensive_verify_picks_a_small_tree():
+    t = choose(cal(STEEP, DRAFT, [0.8] * 6))
+    assert 1 < t.num_nodes <= 8
+
+
+def test_weak_draft_or_expensive_draft_falls_back_to_plain_decoding():
+    assert choose(cal(STEEP, DRAFT, [0.05] * 6)) == TreeParams(num_nodes=1, depth=0)
+    assert choose(cal(FLAT, {d: 100.0 for d in range(1, 7)}, [0.2] * 6)) == TreeParams(num_nodes=1, depth=0)
+
+
+def test_choice_is_the_best_row_and_deterministic():
+    c = cal(STEEP, DRAFT, [0.6, 0.5, 0.4, 0.4, 0.3, 0.3])
+    rows = score_table(c)
+    assert rows[0]["tokens_per_s"] == max(r["tokens_per_s"] for r in rows)
+    assert (rows[0]["num_nodes"], rows[0]["depth"]) == (choose(c).num_nodes, choose(c).depth)
+    assert choose(c) == choose(cal(STEEP, DRAFT, [0.6, 0.5, 0.4, 0.4, 0.3, 0.3]))
+    assert all(r["depth"] < r["num_nodes"] or r["num_nodes"] == 1 for r in rows)
+
+
+def test_fit_recovers_the_acceptance_parameters():
+    acc = [0.3, 0.25, 0.2, 0.2, 0.2, 0.2]
+    pts = [(T, d, expected_tokens(acc, T, d, 10, 1.5, 0.35)) for T, d in autotune.CALIBRATION]
+    s, beta = fit_acceptance(acc, pts)
+    assert s == pytest.approx(1.5, abs=0.051) and beta == pytest.approx(0.35, abs=0.051)
+    assert fit_acceptance(acc, [(1, 0, 1.0)]) == (autotune.DEFAULT_S, autotune.DEFAULT_BETA)
+
+
+def test_calibration_round_trips_through_json():
+    c = cal(STEEP, DRAFT, [0.3])
+    c.measured_tau = [(8, 2, 1.4)]
+    assert Calibration.from_json(json.loads(json.dumps(c.to_json()))) == c
+
+
+NEW = 48
+PROMPTS = eval_prompts(n_per_set=1)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+def test_auto_tree_is_measured_cached_and_lossless(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("POSS_CACHE", str(tmp_path))
+    gen = make_generator(target, draft=True, n=3, ppl=2, aligned=True)
+    gen.draft.config.training = {"val": {"acc": [0.5, 0.4, 0.3]}}
+    prompts = PROMPTS[:2]
+    c = autotune.calibrate(gen, new_tokens=12, prompts=prompts)
+    assert set(c.verify_ms) == set(autotune.SIZES) and set(c.draft_ms) == set(autotune.DEPTHS)
+    assert all(v > 0 for v in c.verify_ms.values()) and len(c.measured_tau) == 6
+    assert c.acc == [0.5, 0.4, 0.3] and c.key["threads"] == 1 and c.key["dtype"] == "float32"
+    files = list((tmp_path / "autotune").glob("*.json"))
+    assert len(files) == 1
+    # the second call reads the cache (no timing: generate must not run)
+    monkeypatch.setattr(autotune, "measure", lambda *a, **k: pytest.fail("measured twice"))
+    tree = TreeParams.auto(gen, prompts=prompts)
+    assert tree == choose(c)
+    for p in PROMPTS:
+        assert gen.generate([p], NEW, tree=tree).token_ids[0] == hf_greedy(target, p, NEW)
+
+
+def test_auto_tree_without_draft_is_plain_decoding(target):
+    gen = make_generator(target, draft=False)
+    assert TreeParams.auto(gen) == TreeParams(num_nodes=1, depth=0)
+
+
+def test_cache_key_names_machine_dtype_and_models(target):
+    gen = make_generator(target, draft=True, dtype=torch.bfloat16)
+    k = autotune.cache_key(gen)
+    assert k["dtype"] == "bfloat16" and k["threads"] == torch.get_num_threads()
+    assert len(k["target"]) == 16 and len(k["draft"]) == 16
+    other = make_generator(target, draft=True, dtype=torch.bfloat16, seed=1)
+    assert autotune.cache_path(autotune.cache_key(other)) != autotune.cache_path(k)
