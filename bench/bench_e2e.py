@@ -92,7 +92,7 @@ def llama_cpp_rows(gguf: Path, prompts: Sequence[List[int]], new: int, threads: 
         llm = llama_cpp.Llama(str(gguf), n_ctx=ctx, n_threads=threads, n_threads_batch=threads, verbose=False,
                               seed=0, **kw)
 
-        def one(p, n):
+        def one(llm, p, n):
             llm.reset()
             got = []
             for tok in llm.generate(p, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
@@ -101,9 +101,9 @@ def llama_cpp_rows(gguf: Path, prompts: Sequence[List[int]], new: int, threads: 
                     break
             return got
 
-        one(prompts[0], 4)
+        one(llm, prompts[0], 4)
         t = time.perf_counter()
-        out = [one(p, new) for p in prompts]
+        out = [one(llm, p, new) for p in prompts]
         rows.append(_row(name, "llama.cpp", out, time.perf_counter() - t,
                          llama_cpp_version=llama_cpp.__version__, gguf=gguf.name))
         del llm

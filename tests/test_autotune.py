@@ -6,8 +6,13 @@ import json
 import pytest
 import torch
 
-from helpers.loop import eval_prompts, hf_greedy, make_generator, tiny_target
-from helpers.loop import single_thread  # noqa: F401  (autouse: one CPU thread)
+from helpers.loop import (
+    eval_prompts,
+    hf_greedy,
+    make_generator,
+    single_thread,  # noqa: F401  (autouse: one CPU thread)
+    tiny_target,
+)
 from poss.decode import autotune
 from poss.decode.autotune import Calibration, choose, expected_tokens, fit_acceptance, score_table
 from poss.decode.params import TreeParams
