@@ -22,6 +22,11 @@ def test_shipped_draft_is_fp16_trainable_weights_with_a_card(folder):
 
     cfg = json.loads((folder / "config.json").read_text())
     weights = load_file(str(folder / "model.safetensors"))
+    token_map = weights.pop("token_map", None)  # a reduced draft vocabulary: K full-vocabulary ids
+    assert (token_map is None) == (not cfg.get("draft_vocab"))
+    if token_map is not None:
+        assert token_map.dtype == torch.int64 and token_map.numel() == cfg["draft_vocab"]
+        assert bool((token_map[1:] > token_map[:-1]).all()) and 0 <= int(token_map[0]) and int(token_map[-1]) < cfg["vocab"]
     assert all(v.dtype == torch.float16 for v in weights.values())
     assert all(k.startswith(("fc.", "layers.")) for k in weights)  # no embedding / lm_head copy
     assert {k.split(".")[1] for k in weights if k.startswith("layers.")} == {str(j) for j in range(cfg["n_specialists"])}
