@@ -36,20 +36,9 @@ def test_summarize_pools_turns_then_questions():
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
     """A tiny random Llama saved as an HF folder with a ChatML byte tokenizer, plus two random drafts."""
-    from helpers.loop import random_draft, tiny_target
-    from helpers.train_tiny import byte_tokenizer
-    from poss.models.target import TargetRunner
+    from helpers.targets import tiny_chat_folder
 
-    root = tmp_path_factory.mktemp("eval")
-    model = tiny_target(vocab=300)
-    tok = byte_tokenizer()
-    model.generation_config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
-    model.save_pretrained(root / "target")
-    tok.save_pretrained(root / "target")
-    runner = TargetRunner(model, max_batch=1, max_seq=64)
-    for name, n, vocab in (("eagle", 1, 0), ("poss-k", 3, 150)):
-        random_draft(runner, n=n, ppl=1, aligned=True, draft_vocab=vocab).save(root / name)
-    return root
+    return tiny_chat_folder(tmp_path_factory.mktemp("eval"), [("eagle", 1, 0), ("poss-k", 3, 150)])
 
 
 def jsonl(path, rows):

@@ -23,20 +23,10 @@ MODEL = "tiny"
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """A tiny random Llama + ChatML byte tokenizer saved as an HF folder, and a random PosS draft."""
-    from helpers.loop import random_draft, tiny_target
-    from helpers.train_tiny import byte_tokenizer
-    from poss.models.target import TargetRunner
+    from helpers.targets import tiny_chat_folder
 
     torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("serve")
-    model = tiny_target(vocab=300)
-    tok = byte_tokenizer()
-    model.generation_config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
-    model.save_pretrained(root / "target")
-    tok.save_pretrained(root / "target")
-    runner = TargetRunner(model, max_batch=1, max_seq=64)
-    random_draft(runner, n=3, ppl=1, aligned=True).save(root / "draft")
-    return root
+    return tiny_chat_folder(tmp_path_factory.mktemp("serve"), [("draft", 3, 0)])
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import ast
 import json
 import math
 import struct
+import sys
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional, Tuple
@@ -152,3 +153,17 @@ def one_line(exc: BaseException) -> str:
     if isinstance(exc, (FileNotFoundError, PermissionError)) and exc.filename and str(exc.filename) not in text:
         text = f"{text}: {exc.filename}"
     return text
+
+
+def chosen_draft(args, prog: str):
+    """The draft a command runs with: ``--draft``, else the target's shipped draft, or None with
+    ``--no-draft`` (a notice says so when the target has no shipped draft)."""
+    if args.no_draft:
+        return None
+    from poss.models.registry import shipped_draft
+
+    draft = args.draft or shipped_draft(args.target)
+    if draft is None:
+        print(f"{prog}: no trained draft exists for target {args.target!r} (none in drafts/); running without "
+              "one. Pass --draft DIR, or --no-draft to silence this.", file=sys.stderr)
+    return draft

@@ -38,3 +38,21 @@ def eval_prompts(n, max_len, vocab, seed=0):
     lines = [r for name in sorted(EVAL_SETS) for r in load_eval_set(name)]
     texts = [lines[(seed * 37 + 11 * i) % len(lines)]["turns"][0] for i in range(n)]
     return [[b % vocab for b in t.encode()][:max_len] for t in texts]
+
+
+def tiny_chat_folder(root, drafts=()):
+    """A tiny random Llama with a ChatML byte tokenizer saved as an HF folder ``root/target``, and one
+    random draft per ``(name, n_specialists, draft_vocab)`` in ``drafts`` saved as ``root/name``."""
+    from helpers.train_tiny import byte_tokenizer
+    from poss.models.target import TargetRunner
+    from poss.testing import random_draft, tiny_target
+
+    model = tiny_target(vocab=300)
+    tok = byte_tokenizer()
+    model.generation_config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
+    model.save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    runner = TargetRunner(model, max_batch=1, max_seq=64)
+    for name, n, vocab in drafts:
+        random_draft(runner, n=n, ppl=1, aligned=True, draft_vocab=vocab).save(root / name)
+    return root

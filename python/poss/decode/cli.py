@@ -69,19 +69,13 @@ def _params(args):
 def _load(args):
     import torch
 
+    from poss.cli_args import chosen_draft
     from poss.decode.loader import load
     from poss.hardware import resolve_dtype
-    from poss.models.registry import shipped_draft
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    draft = None
-    if not args.no_draft:
-        draft = args.draft or shipped_draft(args.target)
-        if draft is None:
-            print(f"poss: no trained draft exists for target {args.target!r} (none in drafts/); "
-                  "generating without one. Pass --draft DIR, or --no-draft to silence this.", file=sys.stderr)
-    return load(args.target, draft=draft, dtype=resolve_dtype(args.dtype, "cpu"))
+    return load(args.target, draft=chosen_draft(args, "poss"), dtype=resolve_dtype(args.dtype, "cpu"))
 
 
 def _speed_line(stats) -> str:

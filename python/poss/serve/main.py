@@ -56,20 +56,15 @@ def run_serve(args) -> int:
         torch.set_num_threads(args.threads)
     import uvicorn
 
+    from poss.cli_args import chosen_draft
     from poss.decode.loader import load
     from poss.decode.params import TreeParams
-    from poss.models.registry import shipped_draft
     from poss.serve.app import create_app
     from poss.serve.backend import ContinuousBackend
     from poss.serve.engine import Engine
     from poss.serve.metrics import Metrics
 
-    draft = None
-    if not args.no_draft:
-        draft = args.draft or shipped_draft(args.target)
-        if draft is None:
-            print(f"poss serve: no trained draft for target {args.target!r}; serving without one "
-                  "(pass --draft DIR, or --no-draft to silence this)", file=sys.stderr)
+    draft = chosen_draft(args, "poss serve")
     try:
         gen = load(args.target, draft=draft, dtype=getattr(torch, args.dtype), device=args.device)
         tree = TreeParams(num_nodes=args.num_nodes, depth=args.depth, beam_width=args.beam_width)
