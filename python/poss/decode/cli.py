@@ -120,10 +120,11 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def chat_loop(gen, options, read=input, out=None, err=None) -> int:
+def chat_loop(gen, options, read=None, out=None, err=None) -> int:
     """The chat session: one answer per line read until an empty line, Ctrl-D or Ctrl-C at the prompt
     (all exit 0). Ctrl-C during an answer stops that answer (what was shown stays in the conversation)
     and returns to the prompt; a message over the context is reported and dropped."""
+    read = read or input  # looked up per call, so a patched ``input`` is honoured
     out = out or sys.stdout
     err = err or sys.stderr
     messages = []
