@@ -16,6 +16,7 @@ from typing import Dict, Iterable, List, Optional
 import torch
 
 from poss.decode.params import SamplingParams, TreeParams
+from poss.jsonl import read_jsonl
 
 
 @dataclass
@@ -38,15 +39,7 @@ def method_name(draft: Optional[str]) -> str:
 
 def read_done(path: Path) -> Dict[tuple, dict]:
     """``(method, dataset, question_id) -> record`` of the questions already answered."""
-    done = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by a kill
-            done[(r["method"], r["dataset"], r["question_id"])] = r
-    return done
+    return {(r["method"], r["dataset"], r["question_id"]): r for r in read_jsonl(path)}
 
 
 class HFMethod:

@@ -27,6 +27,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from poss.jsonl import read_jsonl
 from poss.train.data import Example
 from poss.train.features import VAL_ID_OFFSET, FeatureCache
 
@@ -64,16 +65,8 @@ def select_prompts(conversations: List[List[Dict[str, str]]], encode, n_train: i
 
 
 def read_records(out: Path) -> List[dict]:
-    path = out / "records.jsonl"
-    if not path.exists():
-        return []
-    recs = []
-    for line in path.read_text().splitlines():
-        try:
-            recs.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # a line cut by a kill: everything after it is redone
-    return recs
+    """The answered prompts of a data folder (a record cut by a kill is redone on resume)."""
+    return read_jsonl(Path(out) / "records.jsonl")
 
 
 def load_examples(out, split: str, max_len: int = 0) -> List[Example]:

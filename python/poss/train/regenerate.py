@@ -12,6 +12,8 @@ from typing import Dict, List, Sequence
 
 import torch
 
+from poss.jsonl import read_jsonl
+
 
 @torch.no_grad()
 def regenerate_conversation(tokenizer, model, messages: Sequence[Dict[str, str]], max_new_tokens: int) -> List[Dict[str, str]]:
@@ -35,14 +37,7 @@ def regenerate(tokenizer, model, convs: List[List[Dict[str, str]]], indices: Seq
 
     path = Path(cache_file)
     path.parent.mkdir(parents=True, exist_ok=True)
-    done: Dict[int, List[Dict[str, str]]] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by a kill
-            done[rec["index"]] = rec["messages"]
+    done: Dict[int, List[Dict[str, str]]] = {rec["index"]: rec["messages"] for rec in read_jsonl(path)}
     todo = [i for i in indices if i not in done]
     with open(path, "a") as f:
         for i in tqdm(todo, desc="regenerate", disable=not progress):
