@@ -69,8 +69,9 @@ def run_eval(args) -> int:
         drafts = [str(d) for d in shipped_drafts(args.target)]
     methods = [None] + (["hf"] if args.hf else []) + list(drafts)
     s = Settings(args.max_new_tokens, args.num_nodes, args.depth, args.beam_width, args.temperature, args.seed)
-    evaluate(args.target, methods, datasets, args.out, s, dtype=resolve_dtype(args.dtype, "cpu"), limit=args.limit)
-    res = write(args.out, args.depth, vars(s), args.threads)
+    dtype = resolve_dtype(args.dtype, "cpu")
+    evaluate(args.target, methods, datasets, args.out, s, dtype=dtype, limit=args.limit)
+    res = write(args.out, args.depth, vars(s), args.threads, dtype)
     print((Path(args.out) / "table.md").read_text())
     same = {n: m["identical"] for n, m in res["methods"].items() if n not in ("ar", "hf")}
     if args.temperature == 0 and any(a != b for a, b in same.values()):

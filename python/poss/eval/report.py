@@ -2,26 +2,11 @@
 
 import json
 import math
-import platform
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from poss.eval.metrics import add_hists, mean_tau, pos_acc, speedup, summarize
-
-
-def _machine(threads: Optional[int], dtype: str) -> Dict:
-    import torch
-
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": model, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "threads": threads or torch.get_num_threads(), "dtype": dtype, "torch": torch.__version__}
+from poss.hardware import describe
 
 
 def build(records: List[dict], depth: int, settings: Dict, threads=None, dtype="float32", extra=None) -> Dict:
@@ -34,7 +19,7 @@ def build(records: List[dict], depth: int, settings: Dict, threads=None, dtype="
     ar = methods.get("ar")
     ar_ids = {(r["dataset"], r["question_id"]): [t["token_ids"] for t in r["turns"]]
               for rs in (ar["datasets"].values() if ar else []) for r in rs}
-    out = {"settings": settings, "machine": _machine(threads, dtype), "methods": {}}
+    out = {"settings": settings, "machine": describe(dtype, threads), "methods": {}}
     for name, m in methods.items():
         per = {ds: summarize(rs, depth) for ds, rs in m["datasets"].items()}
         allq = [r for rs in m["datasets"].values() for r in rs]
@@ -97,7 +82,7 @@ def table(results: Dict) -> str:
     mach = results["machine"]
     s = results["settings"]
     lines.append("")
-    lines.append(f"Machine: {mach['cpu']} ({mach['cpu_capability']}), {mach['threads']} threads, {mach['dtype']}, "
+    lines.append(f"Machine: {mach['cpu']} ({mach['torch_cpu_capability']}), {mach['threads']} threads, {mach['dtype']}, "
                  f"torch {mach['torch']}. Settings: {s}.")
     return "\n".join(lines) + "\n"
 
