@@ -1,37 +1,38 @@
 #!/usr/bin/env bash
-# Train the SmolLM2-135M-Instruct drafts: EAGLE-2 first, then HASS and PosS-1/2/3 initialised from it.
-# Every run is resumable: re-running this script continues each unfinished run from its last
-# checkpoint (written every CKPT_MIN minutes) and skips finished ones (RUNS/<name>/draft/ exists).
+# Train the SmolLM2-135M-Instruct drafts on the on-policy data (data/distill-smollm2-135m) with the
+# 8,192-token draft vocabulary: one shared EAGLE-2 initialisation, then EAGLE-2, HASS and PosS-1/2/3
+# each trained EPOCHS more epochs from it, with the same data, batch and learning rate (the paper's
+# protocol: every method starts from the same EAGLE-2 and gets the same budget in epochs).
 #
 #   mkdir -p runs && nohup scripts/train_smollm2_drafts.sh > runs/driver.log 2>&1 &   # all, in order
-#   scripts/train_smollm2_drafts.sh eagle2                                              # only some
-#   RUNS=DIR PY=PYTHON scripts/train_smollm2_drafts.sh                                  # elsewhere, another Python
+#   scripts/train_smollm2_drafts.sh hass poss2                                          # only some
+#   RUNS=DIR PY=PYTHON INIT=drafts/eagle2 scripts/train_smollm2_drafts.sh poss2        # skip the init run
 #
-# RUNS (default runs/ in the repo root) holds one folder per run; PY (default: the python on PATH)
-# must have poss's dependencies; the source tree is put first on PYTHONPATH.
+# Every run is resumable (re-running continues each unfinished run from its last checkpoint and skips
+# finished ones: RUNS/<name>/draft/ exists). RUNS/distill must hold the data with its features:
+#   mkdir -p runs/distill && xz -dc data/distill-smollm2-135m/records.jsonl.xz > runs/distill/records.jsonl
+#   cp data/distill-smollm2-135m/meta.json runs/distill/ && poss distill --out runs/distill --rebuild-features
 #
-# Budget (measured on the shared, busy 2-core dev machine, bs 1, max_len 1024):
-# EAGLE-2 ~450-900 tok/s with cached features (~100 on the first pass, which also fills the feature
-# cache), PosS (6 steps) ~58 tok/s, both while another run shared the CPU. TRAIN_SIZE=440 (~405 kept,
-# ~340k tokens) x 1 epoch keeps each PosS run under ~2 h there; every method gets the same data
-# and epochs. LR 3e-4 (not the paper's 3e-5): with only ~400 optimizer steps a 3e-5 run barely
-# moves a fresh draft (probe: 40 steps at 1e-3 / 3e-4 both reach ~12% top-1 agreement).
+# The init run is the shipped drafts/eagle2 of 2026-11-30: epoch 3 of a 6-epoch linear schedule, the run
+# stopped there (183 optimizer steps per epoch at batch 4 over the 732 training answers, so
+# --max-batches 549). Set INIT to an existing draft folder to start from it instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 RUNS=${RUNS:-runs}
 PY=${PY:-python}
-TRAIN_SIZE=${TRAIN_SIZE:-440}
-VAL_SIZE=${VAL_SIZE:-50}
-MAX_LEN=${MAX_LEN:-1024}
+DATA=${DATA:-$RUNS/distill}
+INIT=${INIT:-$RUNS/eagle2-init/best}
 EPOCHS=${EPOCHS:-1}
-LR=${LR:-3e-4}
-CKPT_MIN=${CKPT_MIN:-10}
-STEPS=6   # draft positions trained, as the paper does at 13B
+LR=${LR:-1e-3}
+BATCH=${BATCH:-4}
+THREADS=${THREADS:-1}
+CKPT_MIN=${CKPT_MIN:-5}
+STEPS=6   # draft positions trained by PosS, as the paper does
 export PYTHONPATH="$PWD:$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 
-common=(--target smollm2-135m --train-size "$TRAIN_SIZE" --val-size "$VAL_SIZE" --max-len "$MAX_LEN"
-        --epochs "$EPOCHS" --lr "$LR" --checkpoint-minutes "$CKPT_MIN" --features cache --resume)
+common=(--target smollm2-135m --data "$DATA" --batch-size "$BATCH" --lr "$LR" --threads "$THREADS"
+        --checkpoint-minutes "$CKPT_MIN" --validate-every-epoch --resume)
 
 run() {  # name, extra args...
   local name=$1; shift
@@ -43,15 +44,17 @@ run() {  # name, extra args...
   echo "$name: finished ($(date -u))"
 }
 
-want=("${@:-eagle2 hass poss1 poss2 poss3}")
+after=(--epochs "$EPOCHS" --init-from "$INIT")
+want=("${@:-eagle2-init eagle2 hass poss1 poss2 poss3}")
 want=(${want[@]})
 for m in "${want[@]}"; do
   case $m in
-    eagle2) run eagle2 --method eagle2 ;;
-    hass)   run hass --method hass --steps 3 --init-from "$RUNS/eagle2/draft" ;;
-    poss1)  run poss1 --method poss --steps $STEPS --positions-per-specialist 1 --init-from "$RUNS/eagle2/draft" ;;
-    poss2)  run poss2 --method poss --steps $STEPS --positions-per-specialist 2 --init-from "$RUNS/eagle2/draft" ;;
-    poss3)  run poss3 --method poss --steps $STEPS --positions-per-specialist 3 --init-from "$RUNS/eagle2/draft" ;;
-    *) echo "unknown run $m (eagle2 hass poss1 poss2 poss3)"; exit 2 ;;
+    eagle2-init) [[ -f "$INIT/config.json" ]] || run eagle2-init --method eagle2 --draft-vocab 8192 --epochs 6 --max-batches 549 ;;
+    eagle2) run eagle2 --method eagle2 "${after[@]}" ;;
+    hass)   run hass --method hass --steps 3 "${after[@]}" ;;
+    poss1)  run poss1 --method poss --steps $STEPS --positions-per-specialist 1 "${after[@]}" ;;
+    poss2)  run poss2 --method poss --steps $STEPS --positions-per-specialist 2 "${after[@]}" ;;
+    poss3)  run poss3 --method poss --steps $STEPS --positions-per-specialist 3 "${after[@]}" ;;
+    *) echo "unknown run $m (eagle2-init eagle2 hass poss1 poss2 poss3)"; exit 2 ;;
   esac
 done

@@ -118,3 +118,29 @@ def test_cache_key_names_machine_dtype_and_models(target):
     assert len(k["target"]) == 16 and len(k["draft"]) == 16
     other = make_generator(target, draft=True, dtype=torch.bfloat16, seed=1)
     assert autotune.cache_path(autotune.cache_key(other)) != autotune.cache_path(k)
+
+
+def test_auto_default_tree_is_resolved_once_and_overridable(target, monkeypatch):
+    gen = make_generator(target, draft=True)
+    picked = TreeParams(num_nodes=8, depth=3, beam_width=4)
+    calls = []
+
+    def fake_auto(g, beam_width=10, **kw):
+        calls.append(beam_width)
+        return TreeParams(picked.num_nodes, picked.depth, beam_width)
+
+    monkeypatch.setattr(TreeParams, "auto", staticmethod(fake_auto))
+    assert gen.resolve_tree() == TreeParams()  # a bare Generator keeps the fixed default
+    gen.default_tree = "auto"
+    assert gen.resolve_tree() == TreeParams(8, 3, 10)
+    assert gen.resolve_tree("auto", beam_width=4) == picked
+    assert gen.resolve_tree() == TreeParams(8, 3, 10) and calls == [10, 4]  # kept per beam width
+    # naming a size leaves auto for the fixed defaults of the rest
+    assert gen.resolve_tree(num_nodes=16) == TreeParams(num_nodes=16, depth=6)
+    assert gen.resolve_tree("auto", depth=2) == TreeParams(num_nodes=60, depth=2)
+    p = PROMPTS[0]
+    assert gen.generate([p], NEW).token_ids[0] == hf_greedy(target, p, NEW)
+    with pytest.raises(ValueError, match="tree must be a TreeParams or 'auto'"):
+        gen.resolve_tree("big")
+    with pytest.raises(TypeError, match="tree must be a TreeParams or 'auto'"):
+        gen.resolve_tree((60, 6))

@@ -73,6 +73,8 @@ def draft_files(tmp_path):
     (["--top-k", "-1"], "--top-k"),
     (["--min-p", "2"], "--min-p"),
     (["--num-nodes", "0"], "--num-nodes"),
+    (["--num-nodes", "many"], "--num-nodes"),
+    (["--depth", "deep"], "--depth"),
     (["--temperature", "-1"], "--temperature"),
     (["--temperature", "nan"], "--temperature"),
     (["--threads", "0"], "--threads"),
@@ -83,6 +85,18 @@ def draft_files(tmp_path):
 ])
 def test_generate_bad_numbers(cmd, bad, flag, capsys):
     fails([cmd] + (["--prompt", "hi"] if cmd == "generate" else []) + bad, flag, capsys)
+
+
+def test_tree_flags_default_to_auto_and_a_size_alone_takes_the_fixed_rest():
+    from poss.cli import build_parser
+    from poss.cli_args import tree_from_flags
+    from poss.decode.params import TreeParams
+
+    args = build_parser().parse_args(["generate", "--prompt", "hi"])
+    assert (args.num_nodes, args.depth) == ("auto", "auto")
+    assert tree_from_flags("auto", "auto", 10) == "auto"
+    assert tree_from_flags(16, "auto", 8) == TreeParams(num_nodes=16, depth=6, beam_width=8)
+    assert tree_from_flags("auto", 3, 10) == TreeParams(num_nodes=60, depth=3)
 
 
 @pytest.mark.parametrize("flag,value", [("--top-p", "0.9"), ("--top-k", "5"), ("--min-p", "0.1")])

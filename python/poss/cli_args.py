@@ -54,6 +54,34 @@ def int_at_least(low: int, high: Optional[int] = None):
     return parse
 
 
+def int_or_auto(low: int, high: Optional[int] = None):
+    """An ``int_at_least(low, high)`` that also takes the word ``auto`` (kept as the string)."""
+    number = int_at_least(low, high)
+
+    def parse(text: str):
+        if text == "auto":
+            return "auto"
+        try:
+            return number(text)
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"{e} or 'auto'") from None
+
+    parse.__name__ = "int or auto"
+    return parse
+
+
+def tree_from_flags(num_nodes, depth, beam_width: int):
+    """``TreeParams`` from the tree flags, or ``"auto"`` when both sizes are ``auto``; a size given
+    alone takes the other's fixed default (60 nodes / depth 6). ``ValueError`` names the field."""
+    from poss.decode.params import TreeParams
+
+    if num_nodes == "auto" and depth == "auto":
+        return "auto"
+    fixed = TreeParams()
+    return TreeParams(num_nodes=fixed.num_nodes if num_nodes == "auto" else num_nodes,
+                      depth=fixed.depth if depth == "auto" else depth, beam_width=beam_width)
+
+
 def float_in(low: float, high: float = math.inf, low_open: bool = False, high_open: bool = False):
     def parse(text: str) -> float:
         try:

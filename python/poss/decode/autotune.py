@@ -195,10 +195,16 @@ def measure(gen, prompts: Sequence, new_tokens: int = 32, configs=CALIBRATION,
     counts = {c: [0, 0] for c in configs}  # tokens after the first, rounds
     saved_end, saved_profile = gen.end_ids, gen.profile
     gen.end_ids = set()  # every request runs its full length
+    from tqdm import tqdm
+
+    # disable=None: a bar on a terminal only (the first `poss generate` on a machine waits here).
+    bar = tqdm(total=len(prompts) * len(configs), desc="timing tree sizes (once per machine)", unit="config",
+               leave=False, disable=None)
     try:
         gen.generate([prompts[0]], 4, num_nodes=60, depth=6 if gen.draft else 0)  # warm-up
         for p in prompts:
             for T, d in configs:
+                bar.update()
                 gen.profile = {}
                 res = gen.generate([p], new_tokens, num_nodes=T, depth=d, beam_width=beam_width)
                 counts[(T, d)][0] += res.stats[0].tokens - 1  # the prefill makes the first token
@@ -209,6 +215,7 @@ def measure(gen, prompts: Sequence, new_tokens: int = 32, configs=CALIBRATION,
                 if d:
                     draft.setdefault(d, []).extend(prof["draft"])
     finally:
+        bar.close()
         gen.end_ids, gen.profile = saved_end, saved_profile
     taus = [(T, d, n / max(r, 1)) for (T, d), (n, r) in counts.items() if d]
     acc = draft_accuracy(gen.draft) if gen.draft is not None else [0.0]

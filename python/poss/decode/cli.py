@@ -4,7 +4,8 @@ import argparse
 import re
 import sys
 
-from poss.cli_args import UsageError, check_draft, check_target, float_in, int_at_least, target_help
+from poss.cli_args import (UsageError, check_draft, check_target, float_in, int_at_least, int_or_auto, target_help,
+                           tree_from_flags)
 
 DTYPES = ("auto", "float32", "bfloat16")
 _TREE_FLAGS = {"num_nodes": "--num-nodes", "depth": "--depth", "beam_width": "--beam-width"}
@@ -32,9 +33,10 @@ def add_arguments(p: argparse.ArgumentParser, chat: bool) -> None:
     s.add_argument("--min-p", type=float_in(0, 1), default=0.0,
                    help="keep tokens at least this fraction as likely as the most likely one (0: off)")
     s.add_argument("--seed", type=int, default=None, help="makes sampling reproducible (default: a fresh seed)")
-    t = p.add_argument_group("draft tree")
-    t.add_argument("--num-nodes", type=int_at_least(1, 256), default=60, help="nodes verified per round, root included")
-    t.add_argument("--depth", type=int_at_least(0), default=6, help="draft positions below the root")
+    t = p.add_argument_group("draft tree (auto: the size with the most expected tokens/s on this machine, timed "
+                             "once per machine, dtype and draft, then cached; a size given alone takes 60 / 6 for the other)")
+    t.add_argument("--num-nodes", type=int_or_auto(1, 256), default="auto", help="nodes verified per round, root included")
+    t.add_argument("--depth", type=int_or_auto(0), default="auto", help="draft positions below the root")
     t.add_argument("--beam-width", "--top-k-draft", dest="beam_width", type=int_at_least(1), default=10,
                    help="children kept per frontier node and frontier size per level")
 
@@ -55,12 +57,12 @@ def check_arguments(args) -> None:
 
 def _params(args):
     """``(SamplingParams, TreeParams)`` from the flags; ``UsageError`` names the bad flag."""
-    from poss.decode.params import SamplingParams, TreeParams
+    from poss.decode.params import SamplingParams
 
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p, seed=args.seed)
     try:
-        tree = TreeParams(num_nodes=args.num_nodes, depth=args.depth, beam_width=args.beam_width)
+        tree = tree_from_flags(args.num_nodes, args.depth, args.beam_width)
     except ValueError as e:
         raise UsageError(re.sub(r"\b(num_nodes|depth|beam_width)\b", lambda m: _TREE_FLAGS[m.group(1)], str(e))) from None
     return sampling, tree
@@ -90,7 +92,10 @@ def _options(args):
     """The call's options, checked before any loading (``UsageError`` on a bad flag)."""
     check_arguments(args)
     sampling, tree = _params(args)
-    return dict(max_new_tokens=args.max_new_tokens, sampling=sampling, tree=tree, stop=args.stop)
+    options = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, tree=tree, stop=args.stop)
+    if tree == "auto":
+        options["beam_width"] = args.beam_width
+    return options
 
 
 def _check_context(gen, prompts, flag: str) -> None:

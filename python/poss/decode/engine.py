@@ -25,7 +25,7 @@ import itertools
 import random
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -81,16 +81,16 @@ class DecodeEngine:
     Args:
         generator: the :class:`~poss.decode.generator.Generator` (its runner, draft, tokenizer, end
             tokens and context limit).
-        tree: the draft tree of every round (default :class:`TreeParams`).
+        tree: the draft tree of every round: a :class:`TreeParams`, ``"auto"``, or None for the
+            generator's ``default_tree``.
         max_batch: most requests decoded together (None: no bound); more wait in :meth:`pending`.
     """
 
-    def __init__(self, generator, tree: Optional[TreeParams] = None, max_batch: Optional[int] = None):
+    def __init__(self, generator, tree: Union[TreeParams, str, None] = None, max_batch: Optional[int] = None):
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.gen = generator
-        self.tree = tree or TreeParams()
-        self.tree.check_vocab(generator.runner.lm_head.shape[0])
+        self.tree = generator.resolve_tree(tree)
         self.max_batch = max_batch
         t = self.tree
         self.speculate = generator.draft is not None and t.depth >= 1 and t.num_nodes > 1

@@ -78,6 +78,10 @@ class Generator:
         # Keep every request's target features (prompt + answer) in the Result: on-policy draft
         # training data from the same run, with no second target pass.
         self.keep_features = False
+        # The tree of calls that pass none: a TreeParams, or "auto" (poss.load's default), resolved on
+        # first use by timing this machine (autotune; cached on disk) and then kept per beam width.
+        self.default_tree: Union[TreeParams, str] = TreeParams()
+        self._auto_trees: Dict[int, TreeParams] = {}
 
     # -- prompts ---------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> List[int]:
@@ -102,7 +106,7 @@ class Generator:
         """Generate for every prompt (batched, ragged).
 
         ``sampling``: one :class:`SamplingParams` for all prompts or one per prompt (default greedy);
-        ``tree``: the draft tree (default :class:`TreeParams`). For convenience ``options`` may name
+        ``tree``: the draft tree, a :class:`TreeParams` or ``"auto"`` (default: :attr:`default_tree`). For convenience ``options`` may name
         their fields directly (``temperature=0.7, top_p=[0.9, 1.0], seed=1, depth=4, beam_width=8``);
         a sampling field takes one value or one per prompt and overrides ``sampling``.
         """
@@ -135,11 +139,33 @@ class Generator:
         """Validate everything before any model work: ``(single, requests, tree params)``."""
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict)))
         prompts = [prompts] if single else list(prompts)
-        tree_fields = {k: options.pop(k) for k in ("num_nodes", "depth", "beam_width") if k in options}
-        tree = TreeParams(**{**vars(tree or TreeParams()), **tree_fields})
-        tree.check_vocab(self.runner.lm_head.shape[0])
+        tree = self.resolve_tree(tree, **{k: options.pop(k) for k in ("num_nodes", "depth", "beam_width") if k in options})
         params = SamplingParams.per_request(sampling, len(prompts), **options)
         return single, self._requests(prompts, max_new_tokens, params), tree
+
+    def resolve_tree(self, tree: Union[TreeParams, str, None] = None, **fields) -> TreeParams:
+        """The tree of a call: ``tree`` (None: :attr:`default_tree`; ``"auto"``: sized by measurement, see
+        :meth:`TreeParams.auto`) with ``fields`` (``num_nodes``, ``depth``, ``beam_width``) overriding.
+        Naming a size overrides ``auto`` with the fixed defaults for the other."""
+        tree = self.default_tree if tree is None else tree
+        if isinstance(tree, str):
+            if tree != "auto":
+                raise ValueError(f"tree must be a TreeParams or 'auto', got {tree!r}")
+            if "num_nodes" in fields or "depth" in fields:
+                tree = TreeParams()
+            else:
+                tree = self.auto_tree(fields.pop("beam_width", TreeParams.beam_width))
+        elif not isinstance(tree, TreeParams):
+            raise TypeError(f"tree must be a TreeParams or 'auto', got {type(tree).__name__}")
+        tree = TreeParams(**{**vars(tree), **fields})
+        tree.check_vocab(self.runner.lm_head.shape[0])
+        return tree
+
+    def auto_tree(self, beam_width: int = TreeParams.beam_width) -> TreeParams:
+        """``TreeParams.auto(self)``, kept for the generator's lifetime (the first call may time the machine)."""
+        if beam_width not in self._auto_trees:
+            self._auto_trees[beam_width] = TreeParams.auto(self, beam_width=beam_width)
+        return self._auto_trees[beam_width]
 
     def _requests(self, prompts, max_new_tokens: int, sampling: Sequence[SamplingParams]) -> List[Request]:
         if len(prompts) == 0:

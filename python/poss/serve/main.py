@@ -4,7 +4,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from poss.cli_args import Formatter, UsageError, check_draft, check_target, int_at_least, target_help
+from poss.cli_args import (Formatter, UsageError, check_draft, check_target, int_at_least, int_or_auto, target_help,
+                           tree_from_flags)
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -26,8 +27,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="the models' dtype")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--num-nodes", type=int_at_least(1, 256), default=60, help="tree nodes verified per round, root included")
-    p.add_argument("--depth", type=int_at_least(0), default=6, help="draft positions below the root")
+    p.add_argument("--num-nodes", type=int_or_auto(1, 256), default="auto",
+                   help="tree nodes verified per round, root included (auto: sized for this machine, timed once at batch 1)")
+    p.add_argument("--depth", type=int_or_auto(0), default="auto", help="draft positions below the root")
     p.add_argument("--beam-width", "--top-k-draft", dest="beam_width", type=int_at_least(1), default=10,
                    help="draft candidates kept per tree level")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
@@ -58,7 +60,6 @@ def run_serve(args) -> int:
 
     from poss.cli_args import chosen_draft
     from poss.decode.loader import load
-    from poss.decode.params import TreeParams
     from poss.serve.app import create_app
     from poss.serve.backend import ContinuousBackend
     from poss.serve.engine import Engine
@@ -67,15 +68,15 @@ def run_serve(args) -> int:
     draft = chosen_draft(args, "poss serve")
     try:
         gen = load(args.target, draft=draft, dtype=getattr(torch, args.dtype), device=args.device)
-        tree = TreeParams(num_nodes=args.num_nodes, depth=args.depth, beam_width=args.beam_width)
+        tree = gen.resolve_tree(tree_from_flags(args.num_nodes, args.depth, args.beam_width), beam_width=args.beam_width)
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"poss serve: {exc}", file=sys.stderr)
         return 2
     name = args.served_model_name or model_name(args.target)
     backend = ContinuousBackend(gen, max_batch=args.max_batch, tree=tree)
-    engine = Engine(backend, max_queue=args.max_queue, metrics=Metrics(max_tau=max(args.depth + 1, 1)))
+    engine = Engine(backend, max_queue=args.max_queue, metrics=Metrics(max_tau=max(tree.depth + 1, 1)))
     info = {"target": str(args.target), "draft": str(draft) if draft else None, "context_limit": backend.context_limit,
-            "max_batch": args.max_batch, "num_nodes": args.num_nodes, "depth": args.depth}
+            "max_batch": args.max_batch, "num_nodes": tree.num_nodes, "depth": tree.depth}
     url = f"http://{args.host}:{args.port}/v1"
 
     def started():
