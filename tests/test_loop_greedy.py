@@ -91,3 +91,13 @@ def test_depth_and_tree_size_variants(target, reference):
     for depth, nodes, k in [(1, 4, 3), (3, 8, 2), (8, 40, 4)]:
         got, _ = generate_batched(gen, PROMPTS[:6], 6, depth=depth, num_nodes=nodes, beam_width=k)
         assert_identical(got, reference[:6])
+
+
+@pytest.mark.slow  # Inductor compiles the target and draft steps first (about a minute)
+def test_compiled_steps_stay_lossless(target, reference):
+    from poss.decode.loader import compile_steps
+
+    gen = compile_steps(make_generator(target, draft=True, n=3, ppl=2, aligned=True))
+    out, stats = generate_batched(gen, PROMPTS[:4], 2, num_nodes=8, depth=3)
+    assert out == reference[:4]
+    assert sum(s.tau for s in stats) / len(stats) > 1.0  # the aligned draft is accepted: real trees ran

@@ -24,6 +24,8 @@ def add_arguments(p: argparse.ArgumentParser, chat: bool) -> None:
     p.add_argument("--threads", type=int_at_least(1), default=None,
                    help="torch CPU threads (default: torch's choice); on a busy 2-core machine 1 thread can be "
                         "several times faster than 2")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the target and draft steps (a minute to compile; did not pay on the dev CPUs)")
     p.add_argument("--max-new-tokens", type=int_at_least(0), default=256, help="tokens generated per answer at most")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     s = p.add_argument_group("sampling (per request; temperature 0 is greedy and the filters need > 0)")
@@ -77,7 +79,7 @@ def _load(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    return load(args.target, draft=chosen_draft(args, "poss"), dtype=resolve_dtype(args.dtype, "cpu"))
+    return load(args.target, draft=chosen_draft(args, "poss"), dtype=resolve_dtype(args.dtype, "cpu"), compile=args.compile)
 
 
 def _speed_line(stats) -> str:

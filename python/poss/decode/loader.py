@@ -11,7 +11,7 @@ from poss.decode.params import TreeParams
 
 def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, Path]] = None,
          dtype: Union[str, torch.dtype] = "auto", device="cpu", context_limit: Optional[int] = None,
-         tree: Union[TreeParams, str] = "auto") -> Generator:
+         tree: Union[TreeParams, str] = "auto", compile: bool = False) -> Generator:
     """Load the target offline and, when ``draft`` is a PosS draft folder, attach it.
 
     With ``draft=None`` the generator decodes autoregressively on the same runner (the baseline);
@@ -21,7 +21,8 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
     is used as given. ``tree``: the generator's ``default_tree``: ``"auto"`` (the default) sizes the
     draft tree for this machine, dtype and draft on the first call that needs it (timed once, about a
     minute on a small CPU, then cached on disk; :meth:`TreeParams.auto`), or a fixed
-    :class:`TreeParams`. Raises ``ValueError`` when the draft was trained for a different target.
+    :class:`TreeParams`. ``compile``: :func:`compile_steps` (off by default: on the development CPUs it
+    did not pay, see docs/benchmarks.md). Raises ``ValueError`` when the draft was trained for a different target.
     """
     from poss.hardware import resolve_dtype
     from poss.models.draft import PosSDraft
@@ -39,4 +40,22 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
     gen = Generator(runner, tokenizer=tokenizer, draft=d, context_limit=context_limit, target_path=path,
                     generation_config=getattr(model, "generation_config", None))
     gen.default_tree = tree
+    return compile_steps(gen) if compile else gen
+
+
+def compile_steps(gen: Generator) -> Generator:
+    """``torch.compile`` the target forward and the draft step of ``gen`` (in place; returns it).
+
+    Inductor writes C++ around the fused ``poss::decoder_layer`` / ``specialist_forward`` ops on a
+    CPU (they stay extern calls, through their fake kernels) and Triton kernels plus CUDA graphs
+    (``mode="reduce-overhead"``; not yet run on a GPU). Shapes are left to Dynamo's automatic
+    dynamic marking (a dimension that changes becomes symbolic at its first recompile): with
+    ``dynamic=True`` the second and later prompts diverged from eager decoding at their second token
+    (tests/test_loop_greedy.py ``test_compiled_steps_stay_lossless`` catches it), with the automatic
+    marking they match. The first calls compile (about a minute on a small CPU).
+    """
+    mode = "reduce-overhead" if gen.runner.device.type == "cuda" else None
+    gen.runner.forward = torch.compile(gen.runner.forward, dynamic=None, mode=mode)
+    if gen.draft is not None:
+        gen.draft.step = torch.compile(gen.draft.step, dynamic=None, mode=mode)
     return gen
