@@ -110,6 +110,57 @@ def llama_cpp_rows(gguf: Path, prompts: Sequence[List[int]], new: int, threads: 
     return rows
 
 
+def batch_row(gen, prompts: Sequence[List[int]], new: int, batch: int, name: str, tree=None, kind="ours") -> Dict:
+    """``batch`` requests decoded together (``gen.generate`` on a list); tokens/s over all of them."""
+    from poss.decode.params import TreeParams
+
+    tree = tree or TreeParams(num_nodes=1, depth=0)
+    saved = gen.end_ids
+    gen.end_ids = set()
+    try:
+        gen.generate(list(prompts[:batch]), 4, tree=tree)  # warm-up at this batch size
+        t = time.perf_counter()
+        res = gen.generate(list(prompts[:batch]), new, tree=tree)
+        wall = time.perf_counter() - t
+    finally:
+        gen.end_ids = saved
+    rounds = max(s.rounds for s in res.stats)
+    return _row(name, kind, res.token_ids, wall, tree=f"{tree.num_nodes}/{tree.depth}", batch=batch, rounds=rounds,
+                tau=sum(s.tau for s in res.stats) / len(res.stats))
+
+
+def compiled_rows(gen, prompts, new: int, draft_name: str, auto: Optional[Dict], log=print) -> List[Dict]:
+    """Our AR loop and ``draft_name`` at its auto tree again, with ``torch.compile`` on the target and
+    draft steps (:func:`poss.decode.loader.compile_steps`); compile time is outside the timing."""
+    from poss.decode.loader import compile_steps
+    from poss.decode.params import TreeParams
+    from poss.models.draft import PosSDraft
+    from poss.models.registry import shipped_drafts
+
+    compile_steps(gen)
+    t = time.perf_counter()
+    for p in prompts[:2]:  # compile, then the recompile that marks the changing sizes dynamic
+        gen.generate([p], 4, num_nodes=1, depth=0)
+    rows = [ours(gen, prompts, new, "our AR loop, torch.compile")]
+    rows[0]["compile_seconds"] = time.perf_counter() - t
+    log(f"  {rows[0]['name']}: {rows[0]['tokens_per_s']:.1f} tok/s (compiled in {rows[0]['compile_seconds']:.0f} s)")
+    folder = next((f for f in shipped_drafts("smollm2-135m") if f.name == draft_name), None)
+    if folder is not None and auto is not None:
+        T, d = (int(x) for x in auto["tree"].split("/"))
+        if d:
+            gen.draft = PosSDraft.load(folder, dtype=gen.runner.dtype).attach(gen.runner, 1, 256)
+            gen.draft.step = torch.compile(gen.draft.step, mode=None)
+            tree = TreeParams(num_nodes=T, depth=d)
+            for p in prompts[:2]:
+                gen.generate([p], 8, tree=tree)
+            r = ours(gen, prompts, new, f"{draft_name} auto (= {T}/{d}), torch.compile", tree, "draft")
+            r["draft"] = draft_name
+            rows.append(r)
+            log(f"  {r['name']}: {r['tokens_per_s']:.1f} tok/s, tau {r['tau']:.2f}")
+            gen.draft = None
+    return rows
+
+
 def weight_bytes(runner) -> int:
     """Bytes an AR step streams: every layer weight, the final norm and the lm_head."""
     n = sum(t.numel() * t.element_size() for lp in runner.layers for t in vars(lp).values()
@@ -133,7 +184,8 @@ def matches(rows: List[Dict], ref: Dict) -> None:
 # -- the whole run ------------------------------------------------------------------------------------
 def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", drafts: Optional[List[str]] = None,
         fixed=((60, 6), (16, 4), (8, 3), (4, 2)), sweep_draft: str = "poss2",
-        llama: bool = True, hf_rows: bool = True, log=print) -> Dict:
+        llama: bool = True, hf_rows: bool = True, compiled: bool = False, batches: Sequence[int] = (),
+        log=print) -> Dict:
     """Every row on the real SmolLM2-135M-Instruct (registry) and its shipped drafts."""
     import poss
     from poss import hardware
@@ -152,7 +204,9 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
     log(out["header"])
     t0 = time.perf_counter()
     gen = poss.load("smollm2-135m", dtype=dt)
-    prompts = [gen.encode(r["turns"][0]) for r in load_eval_set("mt_bench")[:n_prompts]]
+    questions = load_eval_set("mt_bench")
+    prompts = [gen.encode(r["turns"][0]) for r in questions[:n_prompts]]
+    batch_prompts = [gen.encode(r["turns"][0]) for r in questions[:max(batches, default=0)]]
     ar = ours(gen, prompts, new, "our AR loop")
     ar["bandwidth"] = bandwidth(ar, gen.runner)
     rows = [ar]
@@ -186,7 +240,20 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
             r["draft"] = folder.name
         rows.insert(len(rows) - len(measured), r)
         log(f"  {r['name']}: {r['tokens_per_s']:.1f} tok/s, tau {r['tau']:.2f}")
+    for B in batches:  # our AR loop and the sweep draft at its (batch-1) auto tree, B requests together
+        gen.draft = None
+        rows.append(batch_row(gen, batch_prompts, new, B, f"our AR loop, batch {B}"))
+        log(f"  {rows[-1]['name']}: {rows[-1]['tokens_per_s']:.1f} tok/s")
+        folder = next((f for f in shipped_drafts("smollm2-135m") if f.name == sweep_draft), None)
+        if folder is not None and sweep_draft in out["auto"]:
+            T, d = (int(x) for x in out["auto"][sweep_draft]["tree"].split("/"))
+            gen.draft = PosSDraft.load(folder, dtype=dt).attach(gen.runner, 1, 256)
+            rows.append(batch_row(gen, batch_prompts, new, B, f"{sweep_draft} auto (= {T}/{d}), batch {B}",
+                                  TreeParams(num_nodes=T, depth=d), "draft"))
+            log(f"  {rows[-1]['name']}: {rows[-1]['tokens_per_s']:.1f} tok/s")
     gen.draft = None
+    if compiled:
+        rows += compiled_rows(gen, prompts, new, sweep_draft, out["auto"].get(sweep_draft), log)
     if hf_rows:
         _, model = load_model(resolve("smollm2-135m"), dtype=dt)
         model.generation_config.eos_token_id = None
@@ -218,10 +285,14 @@ def main(argv=None):
     ap.add_argument("--drafts", nargs="*", help="shipped draft folder names (default: all)")
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="add torch.compile rows (AR and the sweep draft at auto)")
+    ap.add_argument("--batch", type=int, nargs="*", default=[], help="also decode this many requests together (e.g. 4 16)")
+    ap.add_argument("--sweep-draft", default="poss2", help="the shipped draft also timed at the fixed trees")
     ap.add_argument("--out", default="out/e2e.json")
     args = ap.parse_args(argv)
-    res = run(args.prompts, args.new, args.threads, args.dtype, args.drafts, llama=not args.no_llama,
-              hf_rows=not args.no_hf)
+    res = run(args.prompts, args.new, args.threads, args.dtype, args.drafts, sweep_draft=args.sweep_draft,
+              llama=not args.no_llama, hf_rows=not args.no_hf, compiled=args.compile,
+              batches=args.batch)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(f"wrote {args.out} ({res['wall_seconds']:.0f} s)")
@@ -251,7 +322,8 @@ def test_rows_tiny(benchmark, tiny, bench_threads, tmp_path, monkeypatch):
     auto = TreeParams.auto(gen, new_tokens=8, prompts=prompts)
     rows = [ar, benchmark.pedantic(ours, (gen, prompts, 16, "auto", auto), rounds=1, iterations=1),
             ours(gen, prompts, 16, "60/6", TreeParams()), hf(model, prompts, 16, "HF generate"),
-            hf(model, prompts, 16, "HF prompt lookup", prompt_lookup_num_tokens=10)]
+            hf(model, prompts, 16, "HF prompt lookup", prompt_lookup_num_tokens=10),
+            batch_row(gen, prompts, 16, 2, "auto, batch 2", auto, "draft")]
     bw = bandwidth(ar, gen.runner)
     assert bw["steps"] == ar["rounds"] and bw["achieved_gbs"] > 0
     matches(rows, ar)
