@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-ROOT, PAD = -1, -2
+ROOT, PAD = tl.constexpr(-1), tl.constexpr(-2)  # parents of the root and of padding nodes
 MAX_TREE_NODES = 256  # general (non-chain) trees; the same limit as the C++ kernels
 HEAD_DIMS = (64, 80, 96, 128, 256)
 MAX_SPLITS = 64
@@ -82,7 +82,7 @@ def _plan_kernel(parents_ptr, prefix_ptr, info_ptr, mask_ptr, ok_ptr, N, S, M,
     for start in range(1, N, BLOCK):
         i = start + tl.arange(0, BLOCK)
         p = tl.load(row + i, mask=i < N, other=0)
-        first_pad = tl.minimum(first_pad, tl.min(tl.where((i < N) & (p == -2), i, N)))
+        first_pad = tl.minimum(first_pad, tl.min(tl.where((i < N) & (p == PAD), i, N)))
 
     # Pass 2: the first real node after padding, the first parent outside [0, i), chain breaks.
     first_late = no_node
@@ -90,8 +90,8 @@ def _plan_kernel(parents_ptr, prefix_ptr, info_ptr, mask_ptr, ok_ptr, N, S, M,
     breaks = tl.zeros([], tl.int32)
     for start in range(1, N, BLOCK):
         i = start + tl.arange(0, BLOCK)
-        p = tl.load(row + i, mask=i < N, other=-2)
-        real = p != -2
+        p = tl.load(row + i, mask=i < N, other=PAD)
+        real = p != PAD
         first_late = tl.minimum(first_late, tl.min(tl.where(real & (i > first_pad), i, N)))
         first_range = tl.minimum(first_range, tl.min(tl.where(real & ((p < 0) | (p >= i)), i, N)))
         breaks += tl.sum((real & (p != i - 1)).to(tl.int32))
@@ -104,11 +104,11 @@ def _plan_kernel(parents_ptr, prefix_ptr, info_ptr, mask_ptr, ok_ptr, N, S, M,
     bad_node = tl.minimum(first_late, first_range)
     # As scan_parents: a real node after padding is reported as such before its parent's range.
     node_err = tl.where(first_late <= first_range, ERR_PADDING_NOT_TRAILING, ERR_PARENT_RANGE)
-    err = tl.where(root != -1, ERR_ROOT,
+    err = tl.where(root != ROOT, ERR_ROOT,
           tl.where(bad_node < N, node_err,
           tl.where(general & (n_real > MAX_NODES), ERR_TREE_TOO_BIG,
           tl.where((prefix < 0) | (prefix.to(tl.int64) + n_real > S), ERR_PREFIX, ERR_OK))))
-    err_node = tl.where((root != -1) | (bad_node >= N), 0, bad_node)
+    err_node = tl.where((root != ROOT) | (bad_node >= N), 0, bad_node)
     rec = info_ptr + b * INFO_COLUMNS
     tl.store(rec + INFO_N_REAL, n_real)
     tl.store(rec + INFO_CHAIN, chain.to(tl.int32))
