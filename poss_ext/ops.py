@@ -5,6 +5,7 @@ the root (the last committed token); ``parents[b, 0] = -1``, ``0 <= parents[b, i
 nodes, and padding nodes carry ``-2`` after the real ones.
 """
 
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -168,6 +169,9 @@ def tree_attention(
         ``[B, Hq, Nq, D]``, q's dtype. Query node ``i`` attends to slots ``[0, prefix_len[b])`` and
         to ``prefix_len[b] + j`` for ``j`` = ``i`` or an ancestor of ``i``; padding queries are 0.
         Softmax and accumulation are in float32.
+
+    On CUDA tensors this runs the compiled CUDA kernel, or the Triton kernel
+    (``poss_ext/triton_attention.py``) when ``POSS_ATTENTION=triton`` is set (see below).
     """
     return torch.ops.poss.tree_attention(q, k_cache, v_cache, prefix_len, parents, scale)
 
@@ -328,4 +332,26 @@ def _register_fallbacks(build_info: dict) -> None:
     # decoder_layer and specialist_forward are composites: they dispatch to these.
     for name in ("tree_verify", "build_tree", "tree_attention", "kv_compact", "rms_norm", "add_rms_norm",
                  "swiglu", "rope_qkv"):
+        if name == "tree_attention" and ATTENTION_BACKEND == "triton":
+            continue  # _register_attention_backend serves it
         torch.library.register_kernel(f"poss::{name}", "CUDA", getattr(reference, name))
+
+
+# ---- Attention kernel on CUDA -----------------------------------------------------------------
+
+# POSS_ATTENTION, read once when poss_ext is imported, picks the kernel of poss::tree_attention for
+# CUDA tensors: "cuda" (default) the compiled CUDA kernel, "triton" the Triton kernel of
+# poss_ext/triton_attention.py. The choice is made at the dispatcher, so every caller takes it: this
+# module's wrapper, torch.ops.poss.tree_attention, and the fused decoder_layer / specialist_forward.
+ATTENTION_BACKENDS = ("cuda", "triton")
+ATTENTION_BACKEND = os.environ.get("POSS_ATTENTION", "").strip().lower() or "cuda"
+
+
+def _register_attention_backend() -> None:
+    if ATTENTION_BACKEND not in ATTENTION_BACKENDS:
+        raise ValueError(f"POSS_ATTENTION must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                         f"got {os.environ.get('POSS_ATTENTION')!r}")
+    if ATTENTION_BACKEND == "triton":
+        from poss_ext.triton_attention import tree_attention_triton  # needs triton; only on request
+
+        torch.library.register_kernel("poss::tree_attention", "CUDA", tree_attention_triton)

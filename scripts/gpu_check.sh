@@ -23,5 +23,15 @@ POSS_BENCH_DEVICE=cuda python3 -m pytest bench/bench_tree_verify.py -q -p no:cac
   -k "not reference" --benchmark-json="$out/tree_verify_cuda.json" >"$out/bench.log" 2>&1 || tail -30 "$out/bench.log"
 python3 bench/report.py "$out/tree_verify_cuda.json"
 
+echo "== Triton tree_attention vs the CUDA kernel (tests, then verify-shape timings)"
+if python3 -c "import triton" 2>/dev/null; then
+  python3 -m pytest tests/test_triton_attention.py -q -p no:cacheprovider -m cuda 2>&1 | tee "$out/triton_tests.log" | tail -5
+  python3 -m pytest bench/bench_triton_attention.py -q -p no:cacheprovider --benchmark-only \
+    --benchmark-json="$out/triton_attention_cuda.json" >"$out/triton_bench.log" 2>&1 || tail -30 "$out/triton_bench.log"
+  python3 bench/report.py "$out/triton_attention_cuda.json"
+else
+  echo "triton is not installed: skipped"
+fi
+
 echo "== end-to-end loop, synthetic Llama-3-8B shapes (random weights, bf16)"
 timeout 420 python3 scripts/gpu_e2e.py --json "$out/e2e_llama3_8b.json" 2>&1 | tee "$out/e2e.log" | grep -v "^Loading"
