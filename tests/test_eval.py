@@ -84,8 +84,22 @@ def test_eval_end_to_end(tiny_folder, tmp_path):
     assert len((out / "records.jsonl").read_text().splitlines()) == 9
 
 
+def test_eval_first_turns_only(tiny_folder, tmp_path):
+    from poss.cli import main
+
+    torch.set_num_threads(1)
+    data = jsonl(tmp_path / "mini.jsonl", [{"question_id": i, "turns": [f"say {i}", "and again"]} for i in range(2)])
+    out = tmp_path / "out"
+    assert main(["eval", "--target", str(tiny_folder / "target"), "--drafts", str(tiny_folder / "eagle"),
+                 "--datasets", "none", "--dataset", str(data), "--turns", "1", "--max-new-tokens", "8",
+                 "--num-nodes", "10", "--depth", "3", "--beam-width", "3", "--out", str(out)]) == 0
+    recs = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert len(recs) == 4 and all(len(r["turns"]) == 1 for r in recs)
+
+
 @pytest.mark.parametrize("bad,msg", [(["--limit", "0"], "--limit"), (["--temperature", "-1"], "--temperature"),
-                                     (["--drafts", "nowhere"], "--drafts"), (["--datasets", "nope"], "--datasets")])
+                                     (["--drafts", "nowhere"], "--drafts"), (["--datasets", "nope"], "--datasets"),
+                                     (["--turns", "0"], "--turns")])
 def test_eval_bad_arguments(bad, msg, tmp_path, capsys):
     from poss.cli import main
 

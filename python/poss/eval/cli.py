@@ -18,6 +18,8 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
                    help="a custom JSONL set (records with 'turns'); repeatable")
     p.add_argument("--limit", type=int_at_least(1), default=None, help="the first K questions of each set")
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=512, help="answer length per turn at most")
+    p.add_argument("--turns", type=int_at_least(1), default=None,
+                   help="ask only the first K turns of each question (MT-Bench has 2; default: all)")
     p.add_argument("--num-nodes", type=int_at_least(2, 256), default=60, help="tree nodes verified per round, root included")
     p.add_argument("--depth", type=int_at_least(1), default=6, help="draft positions below the root")
     p.add_argument("--beam-width", type=int_at_least(1), default=10, help="draft candidates kept per tree level (EAGLE's top-k)")
@@ -68,7 +70,8 @@ def run_eval(args) -> int:
 
         drafts = [str(d) for d in shipped_drafts(args.target)]
     methods = [None] + (["hf"] if args.hf else []) + list(drafts)
-    s = Settings(args.max_new_tokens, args.num_nodes, args.depth, args.beam_width, args.temperature, args.seed)
+    s = Settings(args.max_new_tokens, args.num_nodes, args.depth, args.beam_width, args.temperature, args.seed,
+                 args.turns)
     dtype = resolve_dtype(args.dtype, "cpu")
     evaluate(args.target, methods, datasets, args.out, s, dtype=dtype, limit=args.limit)
     res = write(args.out, args.depth, vars(s), args.threads, dtype)

@@ -27,6 +27,7 @@ class Settings:
     beam_width: int = 10  # draft candidates kept per level
     temperature: float = 0.0
     seed: int = 0
+    max_turns: Optional[int] = None  # ask only the first K turns of each question (None: all)
 
 
 def method_name(draft: Optional[str]) -> str:
@@ -78,7 +79,7 @@ def poss_turn(gen, messages, s: Settings) -> dict:
 def answer(method, record: dict, s: Settings) -> List[dict]:
     """Every turn of one question; turn k is asked after the method's own answers to turns < k."""
     messages, turns = [], []
-    for text in record["turns"]:
+    for text in record["turns"][: s.max_turns]:
         messages.append({"role": "user", "content": text})
         t = method.turn(messages, s) if isinstance(method, HFMethod) else poss_turn(method, messages, s)
         turns.append(t)
