@@ -21,7 +21,10 @@ def gen():
     from poss.models.draft import PosSDraft
     from poss.models.draft_config import DraftConfig
 
-    g = poss.load("smollm2-135m")
+    from poss.decode.params import TreeParams
+
+    # fp32 (the HF reference below runs in fp32) and the paper's fixed tree, whatever this machine's auto picks
+    g = poss.load("smollm2-135m", dtype=torch.float32, tree=TreeParams())
     r = g.runner
     cfg = DraftConfig.for_target(r.config, "smollm2-135m", r.fingerprint(), n_specialists=3,
                                  positions_per_specialist=2)

@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from helpers.loop import single_thread  # noqa: F401  (autouse: one CPU thread)
 from poss.data import load_eval_set
+from poss.decode.params import TreeParams
 from poss.models.registry import DRAFTS_DIR, shipped_draft
 
 SHIPPED = sorted(p.parent for p in DRAFTS_DIR.glob("*/config.json")) if DRAFTS_DIR.is_dir() else []
@@ -44,7 +45,7 @@ def test_default_shipped_draft_is_lossless_and_accepted():
 
     folder = shipped_draft("smollm2-135m")
     assert folder is not None and "poss" in folder.name  # a PosS draft is preferred when one ships
-    gen = poss.load("smollm2-135m", draft=folder)
+    gen = poss.load("smollm2-135m", draft=folder, tree=TreeParams())  # fixed 60/6: auto may pick plain decoding
     ar = poss.load("smollm2-135m")
     texts = [load_eval_set(name)[0]["turns"][0] for name in ("gsm8k", "mt_bench")]
     prompts = [gen.encode(t) for t in texts]
