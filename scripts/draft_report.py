@@ -175,7 +175,9 @@ def validation(draft: Path, cfg: dict, cache: Path, a) -> dict:
             return got
     cmd = validate_command(draft, cfg, a.steps, a.data, a.dtype_name, a.threads)
     print("+", " ".join(cmd), file=sys.stderr)
-    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'python'}"}
+    # This checkout's poss and compiled ops first, whatever PYTHONPATH the caller had.
+    path = os.pathsep.join([str(ROOT), str(ROOT / "python")] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "PYTHONPATH": path}
     res = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, env=env)
     result = {"key": key, **json.loads(res.stdout)}
     cache.parent.mkdir(parents=True, exist_ok=True)
