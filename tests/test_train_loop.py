@@ -43,6 +43,7 @@ def test_saved_draft_has_only_trainable_weights_and_the_recipe(tmp_path):
     assert cfg["n_specialists"] == 2 and cfg["positions_per_specialist"] == 2
     assert cfg["training"]["data"]["train_fingerprint"] and cfg["training"]["data"]["n_train"] == 4
     assert len(cfg["training"]["val"]["acc"]) == 4
+    assert cfg["training"]["init_from"] is None and cfg["training"]["machine"]["threads"] >= 1
     keys = load_file(str(d / "model.safetensors")).keys()
     assert keys and all(k.startswith(("fc.", "layers.")) for k in keys)
     n_params = sum(v.numel() for v in load_file(str(d / "model.safetensors")).values())
@@ -60,6 +61,8 @@ def test_poss_init_from_eagle_copies_the_layer(tmp_path):
     eagle = PosSDraft.load(tmp_path / "e" / "draft")
     tp = make_trainer(tmp_path / "p", method="poss", steps=6, ppl=2, init_from=str(tmp_path / "e" / "draft"))
     assert tp.draft.config.n_specialists == 3
+    rec = tp.training_record({})["init_from"]  # what the saved configs record: the folder and its own training
+    assert rec["path"] == str(tmp_path / "e" / "draft") and rec["training"]["recipe"]["method"] == "eagle2"
     torch.testing.assert_close(tp.draft.fc.weight, eagle.fc.weight, rtol=0, atol=0)
     for layer in tp.draft.layers:
         for (n, a), (_, b) in zip(layer.state_dict().items(), eagle.layers[0].state_dict().items()):

@@ -11,6 +11,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from poss.hardware import describe as describe_machine
 from poss.models.draft import PosSDraft
 from poss.models.draft_config import DraftConfig
 from poss.models.target import TargetRunner
@@ -100,6 +101,15 @@ def new_draft(runner: TargetRunner, cfg: TrainConfig, target_name: str, init_fro
     return PosSDraft.from_single_layer(src.state_dict(), dc)
 
 
+def init_record(init_from: Optional[str]) -> Optional[Dict]:
+    """The ``--init-from`` draft as a trained draft's config records it: its folder (as given) and its own
+    ``training`` record (epochs, token-passes, validation), so a model card can say where training started."""
+    if not init_from:
+        return None
+    cfg = json.loads((Path(init_from) / "config.json").read_text())
+    return {"path": str(init_from), "training": cfg.get("training")}
+
+
 def linear_schedule(optimizer, total: int, warmup: int):
     def f(step):
         if step < warmup:
@@ -135,6 +145,7 @@ class Trainer:
         self.progress_bar = progress_bar and info.main
         self.features = make_features(runner, feature_cache, info.rank)
         self.draft = new_draft(runner, cfg, target_name, init_from, cfg.seed, token_map).to(runner.device)
+        self.init_record = init_record(init_from)
         broadcast_parameters(self.draft, info)
         self.params = [p for p in self.draft.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
@@ -279,12 +290,18 @@ class Trainer:
                 self._save_draft(self.out / "best", {"val": v, "epoch": self.progress["epoch"]})
         return v
 
+    def training_record(self, extra: Dict) -> Dict:
+        """What a saved draft's config records under ``training``: recipe, data, where it started from
+        (``init_from``: the ``--init-from`` folder and that draft's own record, or None), the machine, time and
+        token-passes, and ``extra``."""
+        return {"recipe": {**asdict(self.cfg), "n_specialists": self.cfg.n_specialists}, "data": self.data_info,
+                "init_from": self.init_record, "machine": describe_machine(self.runner.dtype),
+                "world_size": self.info.world, "train_seconds": self.progress["seconds"],
+                "tokens": self.progress["tokens"], **extra}
+
     def _save_draft(self, directory: Path, extra: Dict) -> None:
         """The fp16 draft (what ships) with the recipe, data record and ``extra`` in its config."""
-        self.draft.config.training = {"recipe": {**asdict(self.cfg), "n_specialists": self.cfg.n_specialists},
-                                      "data": self.data_info, "world_size": self.info.world,
-                                      "train_seconds": self.progress["seconds"], "tokens": self.progress["tokens"],
-                                      **extra}
+        self.draft.config.training = self.training_record(extra)
         half = PosSDraft(self.draft.config)
         half.load_state_dict(self.draft.state_dict())
         half.half().save(directory)
@@ -292,10 +309,7 @@ class Trainer:
     def save_final(self, result: Dict) -> Optional[Path]:
         if not self.info.main:
             return None
-        self.draft.config.training = {"recipe": {**asdict(self.cfg), "n_specialists": self.cfg.n_specialists},
-                                      "data": self.data_info, "world_size": self.info.world,
-                                      "train_seconds": self.progress["seconds"], "tokens": self.progress["tokens"],
-                                      "val": result.get("val")}
+        self.draft.config.training = self.training_record({"val": result.get("val")})
         d = self.out / "draft"
         self.draft.save(d)
         # The shippable copy: fp16 weights (half the size; drafts run in the target's half dtype anyway).
