@@ -18,10 +18,9 @@ NEW = 48
 @pytest.fixture(scope="module")
 def gen():
     import poss
+    from poss.decode.params import TreeParams
     from poss.models.draft import PosSDraft
     from poss.models.draft_config import DraftConfig
-
-    from poss.decode.params import TreeParams
 
     # fp32 (the HF reference below runs in fp32) and the paper's fixed tree, whatever this machine's auto picks
     g = poss.load("smollm2-135m", dtype=torch.float32, tree=TreeParams())

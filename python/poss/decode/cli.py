@@ -4,8 +4,16 @@ import argparse
 import re
 import sys
 
-from poss.cli_args import (UsageError, check_draft, check_target, float_in, int_at_least, int_or_auto, target_help,
-                           tree_from_flags)
+from poss.cli_args import (
+    UsageError,
+    check_draft,
+    check_target,
+    float_in,
+    int_at_least,
+    int_or_auto,
+    target_help,
+    tree_from_flags,
+)
 
 DTYPES = ("auto", "float32", "bfloat16")
 _TREE_FLAGS = {"num_nodes": "--num-nodes", "depth": "--depth", "beam_width": "--beam-width"}

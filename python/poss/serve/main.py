@@ -4,8 +4,16 @@ import argparse
 import sys
 from pathlib import Path
 
-from poss.cli_args import (Formatter, UsageError, check_draft, check_target, int_at_least, int_or_auto, target_help,
-                           tree_from_flags)
+from poss.cli_args import (
+    Formatter,
+    UsageError,
+    check_draft,
+    check_target,
+    int_at_least,
+    int_or_auto,
+    target_help,
+    tree_from_flags,
+)
 
 DTYPES = ("float32", "bfloat16", "float16")
 
