@@ -330,7 +330,7 @@ def test_help_shows_defaults_and_registry_targets(cmd, capsys):
         assert name in out
     assert "(default: smollm2-135m)" in out
     if cmd in ("generate", "chat"):
-        for text in ("--threads", "(default: 256)", "(default: auto)", "(default: 60)", "(default: 1.0)"):
+        for text in ("--threads", "(default: 256)", "(default: auto)", "(default: 1.0)"):
             assert text in out
 
 
