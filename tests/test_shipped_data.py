@@ -1,0 +1,65 @@
+"""The on-policy training data shipped in data/distill-smollm2-135m/ is what its data card says:
+the file's sha256 (compressed and not), the split sizes, the answer-token counts, the truncation
+flags, and well-formed records (unique keys, token ids inside SmolLM2's 49,152-token vocabulary)."""
+
+import hashlib
+import json
+import lzma
+import re
+from pathlib import Path
+
+import pytest
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "distill-smollm2-135m"
+VOCAB = 49152
+
+
+def card_number(card: str, label: str) -> int:
+    m = re.search(rf"\| {label} \| ([\d,]+)", card)
+    assert m, f"the data card has no '{label}' row"
+    return int(m.group(1).replace(",", ""))
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    card = (DATA / "README.md").read_text()
+    packed = (DATA / "records.jsonl.xz").read_bytes()
+    raw = lzma.decompress(packed)
+    records = [json.loads(line) for line in raw.decode().splitlines()]
+    return card, packed, raw, records
+
+
+def test_checksums_match_the_card(shipped):
+    card, packed, raw, _ = shipped
+    want_packed, want_raw = re.search(r"sha256 `([0-9a-f]{64})` \(uncompressed `([0-9a-f]{64})`\)", card).groups()
+    assert hashlib.sha256(packed).hexdigest() == want_packed
+    assert hashlib.sha256(raw).hexdigest() == want_raw
+
+
+def test_counts_match_the_card(shipped):
+    card, _, _, records = shipped
+    train = [r for r in records if r["split"] == "train"]
+    val = [r for r in records if r["split"] == "val"]
+    assert len(train) + len(val) == len(records)
+    assert len(val) == card_number(card, "held-out split")
+    assert len(train) == card_number(card, "training split")
+    m = re.search(r"\| answer tokens \| ([\d,]+) train \+ ([\d,]+) held-out; ([\d,]+) of ([\d,]+) answers", card)
+    n_train, n_val, n_trunc, n_all = (int(x.replace(",", "")) for x in m.groups())
+    assert sum(len(r["answer_ids"]) for r in train) == n_train
+    assert sum(len(r["answer_ids"]) for r in val) == n_val
+    assert sum(r["truncated"] for r in records) == n_trunc and len(records) == n_all
+    assert sum(len(r["prompt_ids"]) for r in records) == card_number(card, "prompt tokens")
+
+
+def test_records_are_well_formed(shipped):
+    _, _, _, records = shipped
+    meta = json.loads((DATA / "meta.json").read_text())
+    cap = meta["recipe"]["max_new_tokens"]
+    assert len({r["key"] for r in records}) == len(records)
+    for r in records:
+        assert r["prompt_ids"] and r["answer_ids"]
+        assert all(0 <= t < VOCAB for t in r["prompt_ids"] + r["answer_ids"])
+        assert len(r["answer_ids"]) <= cap
+        # A truncated answer ran to the cap; a finished one is shorter or ends where the model stopped.
+        assert not r["truncated"] or len(r["answer_ids"]) == cap
+        assert (r["split"] == "val") == (r["key"] >= 10 ** 9)
