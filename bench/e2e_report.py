@@ -21,14 +21,17 @@ def table(res: Dict) -> str:
              "batch 1, greedy." + (f" Load average {res['loadavg_start'][0]:.1f} at the start, "
                                    f"{res['loadavg_end'][0]:.1f} at the end (2 cores, shared)."
                                    if "loadavg_end" in res else ""), "",
-             "| system | tree (nodes/depth) | tokens/s | x our AR | x HF generate | tau | identical to our AR |",
-             "|---|---|---|---|---|---|---|"]
+             "| system | tree (nodes/depth) | tokens/s | x our AR | x HF generate | tau "
+             "| ms per round: draft / verify / commit / host | identical to our AR |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         x_ar = f"{r['tokens_per_s'] / ar['tokens_per_s']:.2f}" if ar else ""
         x_hf = f"{r['tokens_per_s'] / hfg['tokens_per_s']:.2f}" if hfg else ""
         tau = f"{r['tau']:.2f}" if "tau" in r else ""
+        ms = r.get("round_ms") or {}
+        phases = " / ".join(f"{ms.get(k, 0.0):.1f}" for k in ("draft", "verify", "commit", "host")) if ms else ""
         lines.append(f"| {r['name']} | {r.get('tree', '')} | {r['tokens_per_s']:.1f} | {x_ar} | {x_hf} | {tau} "
-                     f"| {r.get('identical_to_ar', '')} |")
+                     f"| {phases} | {r.get('identical_to_ar', '')} |")
     if ar and "bandwidth" in ar:
         bw = ar["bandwidth"]
         lines += ["", f"Our AR loop streams {bw['weight_bytes'] / 1e6:.0f} MB of weights per step: "
