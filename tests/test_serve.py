@@ -35,7 +35,7 @@ def reference(folder):
     import poss
 
     torch.set_num_threads(1)
-    return poss.load(folder / "target", draft=folder / "draft")
+    return poss.load(folder / "target", draft=folder / "draft")  # dtype "auto", as the server's default
 
 
 @pytest.fixture(scope="module")
@@ -382,5 +382,5 @@ def test_real_smollm2_chat_through_the_client(tmp_path):
     assert "Paris" in text
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
     assert r.model_extra["poss"]["tau"] > 1.0  # the shipped draft is accepted
-    gen = poss.load("smollm2-135m", draft=draft, dtype=torch.float32)  # the server's default dtype
+    gen = poss.load("smollm2-135m", draft=draft)  # dtype "auto", as the server's default
     assert gen.generate([messages], 48, temperature=0.0).texts[0] == text

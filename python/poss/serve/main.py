@@ -15,7 +15,7 @@ from poss.cli_args import (
     tree_from_flags,
 )
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
@@ -33,7 +33,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--default-max-tokens", type=int_at_least(1), default=512, help="max_tokens when a request gives none")
     p.add_argument("--max-body", type=int_at_least(1), default=1 << 20, help="largest request body in bytes (then 413)")
     p.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--dtype", default="float32", choices=DTYPES, help="the models' dtype")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="the models' dtype; auto: bfloat16 on CUDA or a CPU with AMX/AVX512-BF16, else float32")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--num-nodes", type=int_or_auto(1, 256), default="auto",
                    help="tree nodes verified per round, root included (auto: sized for this machine, timed once at batch 1)")
@@ -75,7 +76,7 @@ def run_serve(args) -> int:
 
     draft = chosen_draft(args, "poss serve")
     try:
-        gen = load(args.target, draft=draft, dtype=getattr(torch, args.dtype), device=args.device)
+        gen = load(args.target, draft=draft, dtype=args.dtype, device=args.device)
         tree = gen.resolve_tree(tree_from_flags(args.num_nodes, args.depth, args.beam_width), beam_width=args.beam_width)
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"poss serve: {exc}", file=sys.stderr)
