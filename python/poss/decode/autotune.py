@@ -189,14 +189,14 @@ def measure(gen, prompts: Sequence, new_tokens: int = 32, configs=CALIBRATION,
     Configs are interleaved per prompt (a load spike on a shared machine hits all of them alike), and
     each cost is the lower quartile of its per-round times.
     """
+    from tqdm import tqdm
+
     configs = [(T, d) for T, d in configs if gen.draft is not None or not d]
     verify: Dict[int, List[float]] = {}
     draft: Dict[int, List[float]] = {}
     counts = {c: [0, 0] for c in configs}  # tokens after the first, rounds
     saved_end, saved_profile = gen.end_ids, gen.profile
     gen.end_ids = set()  # every request runs its full length
-    from tqdm import tqdm
-
     # disable=None: a bar on a terminal only (the first `poss generate` on a machine waits here).
     bar = tqdm(total=len(prompts) * len(configs), desc="timing tree sizes (once per machine)", unit="config",
                leave=False, disable=None)
