@@ -367,11 +367,13 @@ def test_ctrl_c_stops_the_server_cleanly(folder, tmp_path):
 @pytest.mark.slow
 def test_real_smollm2_chat_through_the_client(tmp_path):
     import poss
+    from poss.decode.params import TreeParams
 
     draft = poss.shipped_draft("smollm2-135m")
     if draft is None:
         pytest.skip("no shipped draft for smollm2-135m")
-    args = ["--target", "smollm2-135m", "--draft", draft, "--max-batch", 4, "--num-nodes", 60, "--depth", 6]
+    args = ["--target", "smollm2-135m", "--draft", draft, "--max-batch", 4, "--num-nodes", 60, "--depth", 6,
+            "--dtype", "float32"]  # fp32: the bit-exact setting, so the text must equal poss.load's
     messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
     with running_server(args, tmp_path / "server.log", threads=2) as s:
         c = openai.OpenAI(base_url=s.base_url, api_key="none", max_retries=0, timeout=600)
@@ -382,5 +384,5 @@ def test_real_smollm2_chat_through_the_client(tmp_path):
     assert "Paris" in text
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
     assert r.model_extra["poss"]["tau"] > 1.0  # the shipped draft is accepted
-    gen = poss.load("smollm2-135m", draft=draft)  # dtype "auto", as the server's default
+    gen = poss.load("smollm2-135m", draft=draft, dtype=torch.float32, tree=TreeParams())
     assert gen.generate([messages], 48, temperature=0.0).texts[0] == text

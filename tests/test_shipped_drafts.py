@@ -45,8 +45,10 @@ def test_default_shipped_draft_is_lossless_and_accepted():
 
     folder = shipped_draft("smollm2-135m")
     assert folder is not None and "poss" in folder.name  # a PosS draft is preferred when one ships
-    gen = poss.load("smollm2-135m", draft=folder, tree=TreeParams())  # fixed 60/6: auto may pick plain decoding
-    ar = poss.load("smollm2-135m")
+    # fp32: bit-exact (in bf16 tree and single-token GEMMs round differently, test_loop_edges covers it);
+    # the fixed 60/6 tree: auto may pick a tree too small to show acceptance
+    gen = poss.load("smollm2-135m", draft=folder, tree=TreeParams(), dtype=torch.float32)
+    ar = poss.load("smollm2-135m", dtype=torch.float32)
     texts = [load_eval_set(name)[0]["turns"][0] for name in ("gsm8k", "mt_bench")]
     prompts = [gen.encode(t) for t in texts]
     spec = gen.generate(prompts, 40)
