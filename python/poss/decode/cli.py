@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser, chat: bool) -> None:
                    help="torch CPU threads (default: torch's choice); on a busy 2-core machine 1 thread can be "
                         "several times faster than 2")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the target and draft steps (a minute to compile; did not pay on the dev CPUs)")
+                   help="torch.compile the target and draft steps (~30 s to compile; +2-8 %% tokens/s on the dev CPU)")
     p.add_argument("--max-new-tokens", type=int_at_least(0), default=256, help="tokens generated per answer at most")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     s = p.add_argument_group("sampling (per request; temperature 0 is greedy and the filters need > 0)")

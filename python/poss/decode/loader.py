@@ -21,8 +21,8 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
     is used as given. ``tree``: the generator's ``default_tree``: ``"auto"`` (the default) sizes the
     draft tree for this machine, dtype and draft on the first call that needs it (timed once, about a
     minute on a small CPU, then cached on disk; :meth:`TreeParams.auto`), or a fixed
-    :class:`TreeParams`. ``compile``: :func:`compile_steps` (off by default: on the development CPUs it
-    did not pay, see docs/benchmarks.md). Raises ``ValueError`` when the draft was trained for a different target.
+    :class:`TreeParams`. ``compile``: :func:`compile_steps` (off by default: on the development CPU it
+    bought 2-8 % for ~30 s of compilation, see docs/benchmarks.md). Raises ``ValueError`` when the draft was trained for a different target.
     """
     from poss.hardware import resolve_dtype
     from poss.models.draft import PosSDraft
