@@ -1,9 +1,11 @@
-"""How fast torch's CPU GEMM streams decoder weights at decode shapes: the ceiling of our AR loop.
+"""How fast the CPU GEMMs stream decoder weights at decode shapes: the ceiling of our AR loop.
 
 An AR step is ~30 layers of ``x [M, 576] @ W.T`` over weights far bigger than the caches, so its speed
-is the GB/s these calls read weights at. This times ``F.linear`` over a stack of SmolLM2-sized MLP
-weights (60 x 1536 x 576: 106 MB in bf16, 212 MB in fp32) at M = 1 / 8 / 16 rows (batch-1 decoding
-and 8- / 16-node trees), against the core's plain read bandwidth (``poss.hardware.read_bandwidth_gbs``).
+is the GB/s these calls read weights at. This times torch's ``F.linear`` (the vendor GEMM, oneDNN / MKL)
+and ``poss_ext.ops.linear`` (our row-invariant AVX512-BF16 kernel for bf16 where the CPU has it, else
+the same vendor GEMM) over a stack of SmolLM2-sized MLP weights (60 x 1536 x 576: 106 MB in bf16,
+212 MB in fp32) at M = 1 / 5 / 8 / 16 rows (batch-1 decoding and 5- to 16-node trees), against the
+core's plain read bandwidth (``poss.hardware.read_bandwidth_gbs``).
 
     PYTHONPATH=.:python python bench/bench_weight_stream.py --threads 1      # a table
     PYTHONPATH=.:python pytest bench/bench_weight_stream.py --benchmark-only  # pytest-benchmark
@@ -16,6 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import poss_ext
+
 LAYERS, OUT, IN = 60, 1536, 576
 
 
@@ -24,19 +28,23 @@ def weights(dtype):
     return [torch.randn(OUT, IN, generator=g).to(dtype) for _ in range(LAYERS)]
 
 
-def stream(x, ws):
+KERNELS = {"torch": F.linear, "poss": poss_ext.ops.linear}
+
+
+def stream(x, ws, kernel="torch"):
+    f = KERNELS[kernel]
     for w in ws:
-        F.linear(x, w)
+        f(x, w)
 
 
-def gbs(ws, rows: int, repeats: int = 20) -> float:
+def gbs(ws, rows: int, kernel: str = "torch", repeats: int = 20) -> float:
     """Weight GB/s of one pass over ``ws`` at ``rows`` input rows (lower quartile of ``repeats``)."""
     x = torch.randn(rows, IN).to(ws[0].dtype)
-    stream(x, ws)
+    stream(x, ws, kernel)
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        stream(x, ws)
+        stream(x, ws, kernel)
         times.append(time.perf_counter() - t)
     times.sort()
     return sum(w.numel() * w.element_size() for w in ws) / times[len(times) // 4] / 1e9
@@ -44,10 +52,11 @@ def gbs(ws, rows: int, repeats: int = 20) -> float:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rows", [1, 8])
-def test_weight_stream(benchmark, bench_threads, dtype, rows):
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_weight_stream(benchmark, bench_threads, dtype, rows, kernel):
     ws = weights(dtype)
     x = torch.randn(rows, IN).to(dtype)
-    benchmark(stream, x, ws)
+    benchmark(stream, x, ws, kernel)
 
 
 def main(argv=None):
@@ -58,13 +67,17 @@ def main(argv=None):
 
     torch.set_num_threads(a.threads)
     print(f"{hardware.cpu_model()}, {a.threads} thread(s), torch {torch.__version__}, "
-          f"read bandwidth {hardware.read_bandwidth_gbs():.1f} GB/s")
-    print("| dtype | weights | GB/s at M=1 | M=8 | M=16 |\n|---|---|---|---|---|")
+          f"read bandwidth {hardware.read_bandwidth_gbs():.1f} GB/s; "
+          f"poss.linear bf16 kernel: {poss_ext.ops.cpu_linear_kernel()}")
+    rows = (1, 5, 8, 16)
+    print("| dtype | kernel | weights | " + " | ".join(f"GB/s at M={m}" for m in rows) + " |")
+    print("|---|---|---|" + "---|" * len(rows))
     for dtype in (torch.float32, torch.bfloat16):
         ws = weights(dtype)
         mb = sum(w.numel() * w.element_size() for w in ws) / 1e6
-        print(f"| {str(dtype).replace('torch.', '')} | {mb:.0f} MB | "
-              + " | ".join(f"{gbs(ws, m):.1f}" for m in (1, 8, 16)) + " |")
+        for kernel in KERNELS:
+            print(f"| {str(dtype).replace('torch.', '')} | {kernel} | {mb:.0f} MB | "
+                  + " | ".join(f"{gbs(ws, m, kernel):.1f}" for m in rows) + " |")
 
 
 if __name__ == "__main__":

@@ -50,9 +50,13 @@ at::Tensor call_tree_attention(const at::Tensor& q, const at::Tensor& k, const a
   return h.call(q, k, v, prefix_len, parents, scale);
 }
 
-// y = x @ w^T (+ bias) (+ add): one GEMM; the residual / bias add rides in the GEMM's beta term.
-at::Tensor gemm_nt(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& add) {
-  return add.has_value() ? at::addmm(*add, x, w.t()) : at::mm(x, w.t());
+// y = x @ w^T (+ bias) (+ residual), through poss::linear: on a CPU with AVX512-BF16 a row's
+// result then does not depend on how many rows (tree nodes) share the call.
+at::Tensor call_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                       const std::optional<at::Tensor>& residual) {
+  static auto h = op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                const std::optional<at::Tensor>&)>("poss::linear");
+  return h.call(x, w, bias, residual);
 }
 
 void check_weight(const at::Tensor& t, const char* name, int64_t rows, int64_t cols,
@@ -110,7 +114,7 @@ at::Tensor decoder_layer_forward(const at::Tensor& x, const LayerWeights& w, Lay
   const int64_t N = in.parents.size(1);
   const auto x2 = x.reshape({B * T, H});
   const auto a = w.in_norm_w ? call_rms_norm(x2, *w.in_norm_w, in.eps) : x2;
-  const auto qkv = gemm_nt(a, w.w_qkv, w.b_qkv).view({B, T, -1});
+  const auto qkv = call_linear(a, w.w_qkv, w.b_qkv, std::nullopt).view({B, T, -1});
   // The new tokens are the tree's last T nodes; node i's K/V lives at slot prefix_len + i.
   const auto start = in.prefix_len + static_cast<int32_t>(N - T);
   const auto q = call_rope_qkv(qkv, in.positions, in.inv_freq, in.k_cache, in.v_cache, start,
@@ -118,9 +122,10 @@ at::Tensor decoder_layer_forward(const at::Tensor& x, const LayerWeights& w, Lay
   const auto attn = call_tree_attention(q, in.k_cache, in.v_cache, in.prefix_len, in.parents,
                                         1.0 / std::sqrt(static_cast<double>(D)));
   const auto attn2 = attn.transpose(1, 2).reshape({B * T, in.num_heads * D});
-  auto [m_in, h] = call_add_rms_norm(at::mm(attn2, w.w_o.t()), x2, w.post_norm_w, in.eps);
-  const auto act = call_swiglu(at::mm(m_in, w.w_gate_up.t()));
-  return gemm_nt(act, w.w_down, h).view({B, T, H});
+  auto [m_in, h] = call_add_rms_norm(call_linear(attn2, w.w_o, std::nullopt, std::nullopt), x2,
+                                     w.post_norm_w, in.eps);
+  const auto act = call_swiglu(call_linear(m_in, w.w_gate_up, std::nullopt, std::nullopt));
+  return call_linear(act, w.w_down, std::nullopt, h).view({B, T, H});
 }
 
 namespace {
@@ -156,7 +161,7 @@ at::Tensor specialist_forward_op(const at::Tensor& embeds, const at::Tensor& fea
   if (fc_b) check_vector(*fc_b, "fc_b", H, embeds);
   // Embedding first, then feature, as in EAGLE's fc([e; f]).
   const auto ef = at::cat({embeds.reshape({B * T, H}), features.reshape({B * T, H})}, 1);
-  const auto u = gemm_nt(ef, fc_w, fc_b).view({B, T, H});
+  const auto u = call_linear(ef, fc_w, fc_b, std::nullopt).view({B, T, H});
   LayerWeights w{std::nullopt, w_qkv, std::nullopt, w_o, post_norm_w, w_gate_up, w_down};
   LayerInputs in{k_cache, v_cache, prefix_len, parents, positions, inv_freq, num_heads, num_kv_heads, eps};
   return decoder_layer_forward(u, w, in);

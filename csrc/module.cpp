@@ -2,6 +2,8 @@
 // translation units); it also reports how the library was built.
 #include <pybind11/pybind11.h>
 
+#include "poss/linear_args.h"
+
 #ifndef POSS_TORCH_VERSION
 #define POSS_TORCH_VERSION "unknown"
 #endif
@@ -24,4 +26,6 @@ PYBIND11_MODULE(_C, m) {
     info["cuda_arch_list"] = POSS_CUDA_ARCH_LIST;
     return info;
   });
+  m.def("cpu_linear_kernel", [] { return std::string(poss::cpu_linear_kernel()); },
+        "The CPU kernel of poss::linear for bf16: 'avx512-bf16' (row-invariant) or 'aten'.");
 }

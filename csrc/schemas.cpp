@@ -34,6 +34,11 @@ TORCH_LIBRARY(poss, m) {
   // and specialist_forward are composites of the others: one CompositeExplicitAutograd kernel
   // serves every device (csrc/decoder_layer.cpp).
 
+  // out = x @ weight^T + bias + residual: x [..., K], weight [N, K], bias [N], residual [..., N],
+  // all one dtype; fp32 accumulation and one rounding. On a CPU with AVX512-BF16, bf16 runs a
+  // kernel whose every output element is computed the same way whatever the number of rows, so a
+  // token's logits in a tree verify are bit-identical to a single-token decode step's.
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias=None, Tensor? residual=None) -> Tensor");
   // out = x * rsqrt(mean(x^2) + eps) * weight, statistics in fp32.
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   // sum = x + residual (rounded to x's dtype); out = rms_norm(sum, weight, eps).

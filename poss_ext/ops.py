@@ -218,6 +218,35 @@ def _kv_compact_fake(k_cache, v_cache, prefix_len, accept_nodes, accept_len):
 # ---- Decoder layer ----------------------------------------------------------------------------
 
 
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, residual: Optional[Tensor] = None) -> Tensor:
+    """``x @ weight.T + bias + residual``, accumulated in fp32 and rounded once.
+
+    Args:
+        x: ``[..., K]`` float32 / bfloat16 / float16.
+        weight: ``[N, K]``, x's dtype and device.
+        bias: ``[N]`` or None; residual: ``[..., N]`` (x's leading shape) or None.
+    Returns:
+        ``[..., N]`` in x's dtype. On a CPU with AVX512-BF16 (see :func:`cpu_linear_kernel`), bf16
+        rows are computed independently of each other: row i of a call is bit-identical to the same
+        row computed alone. No backward (inference only).
+    """
+    return torch.ops.poss.linear(x, weight, bias, residual)
+
+
+@torch.library.register_fake("poss::linear")
+def _linear_fake(x, weight, bias=None, residual=None):
+    torch._check(weight.dim() == 2 and weight.shape[1] == x.shape[-1], lambda: "weight must be [N, K]")
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def cpu_linear_kernel() -> str:
+    """The CPU kernel of :func:`linear` for bf16: ``"avx512-bf16"`` (row-invariant, our kernel) or
+    ``"aten"`` (the vendor GEMM: no AVX512-BF16, or ``POSS_LINEAR=aten`` when poss_ext was loaded)."""
+    from poss_ext import _C
+
+    return _C.cpu_linear_kernel()
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm over the last dim: ``x [..., H]`` float32/bf16/fp16, ``weight [H]`` same dtype -> ``[..., H]``."""
     return torch.ops.poss.rms_norm(x, weight, eps)
@@ -330,8 +359,8 @@ def _register_fallbacks(build_info: dict) -> None:
     if build_info["cuda"]:
         return
     # decoder_layer and specialist_forward are composites: they dispatch to these.
-    for name in ("tree_verify", "build_tree", "tree_attention", "kv_compact", "rms_norm", "add_rms_norm",
-                 "swiglu", "rope_qkv"):
+    for name in ("tree_verify", "build_tree", "tree_attention", "kv_compact", "linear", "rms_norm",
+                 "add_rms_norm", "swiglu", "rope_qkv"):
         if name == "tree_attention" and ATTENTION_BACKEND == "triton":
             continue  # _register_attention_backend serves it
         torch.library.register_kernel(f"poss::{name}", "CUDA", getattr(reference, name))

@@ -252,6 +252,16 @@ def kv_compact(
 # ---- Decoder layer ----------------------------------------------------------------------------
 
 
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, residual: Optional[Tensor] = None) -> Tensor:
+    """``x [..., K] @ weight [N, K]^T + bias [N] + residual [..., N]`` in fp64, rounded once to x's dtype."""
+    y = x.double() @ weight.double().t()
+    if bias is not None:
+        y = y + bias.double()
+    if residual is not None:
+        y = y + residual.double()
+    return y.to(x.dtype)
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Reference of ``poss::rms_norm``: HF Llama RMSNorm, statistics in fp32."""
     xf = x.float()

@@ -285,3 +285,27 @@ def test_device_mismatch_names_the_argument():
     a["k_cache"] = a["k_cache"].cuda()
     with pytest.raises(RuntimeError, match="k_cache"):
         _call(a)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(P=st.integers(1, 300), N=st.integers(1, 40), ratio=st.sampled_from([1, 3]), seed=st.integers(0, 2 ** 16),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_tree_row_is_bitwise_the_decode_step_of_its_path(P, N, ratio, seed, dtype):
+    """Behind a committed prefix (CPU), node i of a tree sees exactly what a single-token decode step
+    sees once i's ancestors are committed: the same bits, which keeps bf16 speculation lossless."""
+    gen = torch.Generator().manual_seed(seed)
+    Hkv, D = 2, 64
+    parents = random_parents(gen, 1, N, [N])
+    q, k, v = make_inputs(gen, 1, Hkv * ratio, Hkv, N, D, P + N, dtype, "cpu")
+    tree = poss_ext.tree_attention(q, k, v, torch.tensor([P], dtype=torch.int32), parents, D ** -0.5)
+    for i in range(N):
+        path, j = [], i
+        while j >= 0:
+            path.append(j)
+            j = int(parents[0, j])
+        path.reverse()  # root ... i: the order decoding commits them in
+        slots = list(range(P)) + [P + j for j in path]
+        k1, v1 = k[:, :, slots].contiguous(), v[:, :, slots].contiguous()
+        step = poss_ext.tree_attention(q[:, :, i:i + 1], k1, v1, torch.tensor([P + len(path) - 1], dtype=torch.int32),
+                                       torch.tensor([[-1]], dtype=torch.int32), D ** -0.5)
+        assert torch.equal(step[:, :, 0], tree[:, :, i]), f"node {i} (depth {len(path) - 1}) differs"

@@ -6,6 +6,8 @@
 // the P.V update are tile GEMMs (BLAS sgemm when torch exports it, else at::mm); the softmax is
 // vectorised with at::vec in fp32.
 //
+// Requests with a committed prefix go to the row-exact kernel instead (tree_attention_exact.cpp).
+//
 // Parallelism: units over (b, h, query tile). When that gives too few units for the threads, the
 // key range is also split (split-K) and the partial results are merged by log-sum-exp; a key tile
 // is still read by one unit only.
@@ -24,6 +26,7 @@
 #include "poss/tree_attention.h"
 #include "poss/tree_attention_args.h"
 #include "poss/tree_checks.h"
+#include "tree_attention_exact.h"
 
 // Fortran BLAS exported by libtorch_cpu (MKL or OpenBLAS, LP64). Weak: a torch without it makes
 // this null and the kernel falls back to at::mm on the same tiles.
@@ -315,12 +318,20 @@ at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
   at::Tensor out = at::zeros_like(q);  // padding queries stay zero
   const int64_t G = Hq / Hkv, q0 = N - Nq;
 
+  // Requests behind a committed prefix (decode steps, tree verifies, later turns) take the row-exact
+  // path, so that decoding and speculation agree to the bit; prefills (prefix 0) take the tiles.
+  std::vector<ExactRequest> exact;
+  for (int64_t b = 0; b < B; ++b) {
+    if (req[b].prefix > 0) exact.push_back(ExactRequest{b, req[b].prefix, req[b].n_real, req[b].chain, req[b].masks});
+  }
+  tree_attention_exact(q, k, v, out, exact, N, scale);
+
   // Groups: (b, h, query tile). Query nodes run over [q0, n_real): padding rows are skipped.
   std::vector<Group> groups;
   int64_t max_rows = 1;
   for (int64_t b = 0; b < B; ++b) {
     const int32_t lo = static_cast<int32_t>(q0), hi = req[b].n_real;
-    if (hi <= lo) continue;
+    if (hi <= lo || req[b].prefix > 0) continue;
     const int64_t nodes = hi - lo;
     int64_t tile = nodes;
     if (req[b].chain && G * nodes > kMaxGroupRows) tile = std::max<int64_t>(1, kChainRowTile / G);

@@ -26,6 +26,20 @@ def hf_greedy(model, prompt, max_new_tokens, **kw):
     return out[0, len(prompt):].tolist()
 
 
+def assert_bf16_lossless(fp32_model, prompts, got, want) -> int:
+    """bf16 speculation (``got``) against the bf16 AR loop (``want``). With the row-invariant bf16
+    kernels (a CPU with AVX512-BF16) they must be identical; with the vendor GEMM a path may part at
+    a near-tie (see :func:`assert_divergences_are_near_ties`). Returns how many parted."""
+    import poss_ext
+
+    if poss_ext.ops.cpu_linear_kernel() == "avx512-bf16":
+        for i, (g, w) in enumerate(zip(got, want)):
+            first = next((k for k, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+            assert g == w, f"prompt {i}: bf16 speculation parts from bf16 decoding at token {first}"
+        return 0
+    return assert_divergences_are_near_ties(fp32_model, prompts, got, want)
+
+
 def assert_divergences_are_near_ties(fp32_model, prompts, got, want, tolerance: float = 0.05) -> int:
     """bf16 speculation against the bf16 AR loop: where a greedy path parts from ``want``, the fp32
     model's logits there must nearly tie between the two tokens (gap below ``tolerance`` x the largest

@@ -112,7 +112,10 @@ class PosSDraft(nn.Module):
         """Target lm_head over the specialist output (no norm in between): ``[..., K]`` over the draft
         vocabulary (``K = V`` without a token map; map indices back with :meth:`full_ids`)."""
         self.target  # noqa: B018  (raises when not attached)
-        return out_features @ self._head.t().to(out_features.dtype)
+        head = self._head.to(out_features.dtype)
+        if torch.is_grad_enabled() and out_features.requires_grad:
+            return out_features @ head.t()  # training: poss::linear has no backward
+        return poss_ext.ops.linear(out_features, head)
 
     def full_ids(self, index: Tensor) -> Tensor:
         """Full-vocabulary token ids of draft-vocabulary indices (identity without a token map)."""

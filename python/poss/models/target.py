@@ -152,7 +152,7 @@ class TargetRunner:
                 k[:B], v[:B], prefix_len, parents, positions, self.inv_freq,
                 self.num_heads, self.num_kv_heads, self.eps)
         features = poss_ext.ops.rms_norm(x, self.final_norm_w, self.eps)
-        return (features @ self.lm_head.t() if logits else None), features
+        return (poss_ext.ops.linear(features, self.lm_head) if logits else None), features
 
     __call__ = forward
 
@@ -182,5 +182,5 @@ class TargetRunner:
         prefix = torch.zeros(B, dtype=torch.int32, device=self.device)
         _, features = self.forward(tokens, positions, parents, prefix, check_capacity=False, logits=False)
         last = torch.tensor([n - 1 for n in lengths], device=self.device)
-        last_logits = features[torch.arange(B, device=self.device), last] @ self.lm_head.t()
+        last_logits = poss_ext.ops.linear(features[torch.arange(B, device=self.device), last], self.lm_head)
         return last_logits, features

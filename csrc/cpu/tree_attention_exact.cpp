@@ -1,0 +1,170 @@
+// Row-exact CPU tree attention: a query's output does not depend on which of its keys sit in the
+// committed prefix and which in the tree, nor on how many other queries share the call.
+//
+// Why: a token accepted from a tree verify saw its earlier tokens as tree keys; the same token in a
+// plain decode step sees them as prefix keys. The tiled kernel (tree_attention.cpp) groups keys
+// into GEMM tiles and merges online-softmax states per tile, so the two see different rounding, and
+// a bf16 greedy path can part from plain decoding at a near-tie. Here every query row follows one
+// fixed sequence over its visible keys in slot order (the prefix, then its ancestors, which is the
+// order plain decoding stores the same tokens in):
+//   score_j = sum over d, in order, of fmadd(q_d * scale, k_jd)   (keys across SIMD lanes, never d)
+//   m = max_j score_j;  p_j = exp(score_j - m)   (one vector exp routine for every key)
+//   l = sum over j, in order, of p_j;  o = sum over j, in order, of p_j * v_j;  out = o / l
+// Keys a row cannot see get p = 0 and are skipped, which adds exactly nothing. The tiled kernel
+// still serves prefills (prefix 0), where both decoding modes run the same call.
+#include "tree_attention_exact.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "poss/tree_attention.h"
+
+namespace poss {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t W = Vec::size();  // keys per score vector
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct Unit {
+  const ExactRequest* rq;
+  int64_t h;       // kv head
+  int32_t i0, i1;  // query nodes
+};
+
+template <typename scalar_t>
+struct ExactKernel {
+  const scalar_t* q;
+  const scalar_t* k;
+  const scalar_t* v;
+  scalar_t* out;
+  int64_t ks0, ks1, ks2, vs0, vs1, vs2;
+  int64_t Hq, G, Nq, N, D;
+  float scale;
+
+  struct Scratch {
+    std::vector<float> qs, kt, scores, vrow, acc;
+  };
+
+  void run(const Unit& u, Scratch& sc) const {
+    const ExactRequest& rq = *u.rq;
+    const int64_t nodes = u.i1 - u.i0, rows = G * nodes, q0 = N - Nq;
+    const int64_t L = rq.prefix + u.i1;  // key slots any of these rows can see
+    const int64_t Lp = (L + W - 1) / W * W;
+    sc.qs.resize(rows * D);
+    sc.kt.resize(D * W);
+    sc.scores.resize(rows * Lp);
+    sc.vrow.resize(D);
+    sc.acc.resize(rows * D);
+    // Rows r = g * nodes + n: query node i0 + n of head h * G + g, scaled once.
+    for (int64_t g = 0; g < G; ++g) {
+      const scalar_t* src = q + ((rq.b * Hq + u.h * G + g) * Nq + (u.i0 - q0)) * D;
+      float* dst = sc.qs.data() + g * nodes * D;
+      at::vec::convert(src, dst, nodes * D);
+      for (int64_t e = 0; e < nodes * D; ++e) dst[e] *= scale;
+    }
+    const scalar_t* kb = k + rq.b * ks0 + u.h * ks1;
+    const scalar_t* vb = v + rq.b * vs0 + u.h * vs1;
+
+    // Scores, W keys at a time: the tile transposed to [D, W] so that a lane is a key.
+    float* kt = sc.kt.data();
+    for (int64_t s0 = 0; s0 < L; s0 += W) {
+      const int64_t kn = std::min(W, L - s0);
+      std::fill(kt, kt + D * W, 0.0f);
+      for (int64_t c = 0; c < kn; ++c) {
+        const scalar_t* row = kb + (s0 + c) * ks2;
+        for (int64_t d = 0; d < D; ++d) kt[d * W + c] = static_cast<float>(row[d]);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* qr = sc.qs.data() + r * D;
+        Vec acc(0.0f);
+        for (int64_t d = 0; d < D; ++d) acc = at::vec::fmadd(Vec(qr[d]), Vec::loadu(kt + d * W), acc);
+        acc.store(sc.scores.data() + r * Lp + s0, static_cast<int>(kn));
+      }
+    }
+
+    // Mask, max, exp and the sum of each row.
+    std::vector<float> inv_l(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int32_t i = static_cast<int32_t>(u.i0 + r % nodes);
+      float* s = sc.scores.data() + r * Lp;
+      const uint64_t* mrow = rq.chain ? nullptr : rq.masks + int64_t{i} * kAttnMaskWords;
+      for (int64_t j = 0; j < u.i1; ++j) {
+        if (!tree_key_visible(rq.chain, mrow, i, static_cast<int32_t>(j))) s[rq.prefix + j] = kNegInf;
+      }
+      float m = kNegInf;
+      for (int64_t j = 0; j < L; ++j) m = std::max(m, s[j]);
+      const Vec vm(m);
+      for (int64_t j = 0; j < L; j += W) {
+        const int cnt = static_cast<int>(std::min(W, L - j));
+        (Vec::loadu(s + j, cnt) - vm).exp_u20().store(s + j, cnt);
+      }
+      float l = 0.0f;
+      for (int64_t j = 0; j < L; ++j) l += s[j];
+      inv_l[r] = 1.0f / l;
+    }
+
+    // o = sum_j p_j v_j, key by key in slot order; each v row is converted once for all rows.
+    float* acc = sc.acc.data();
+    std::fill(acc, acc + rows * D, 0.0f);
+    float* vr = sc.vrow.data();
+    for (int64_t j = 0; j < L; ++j) {
+      at::vec::convert(vb + j * vs2, vr, D);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float p = sc.scores[r * Lp + j];
+        if (p == 0.0f) continue;
+        float* a = acc + r * D;
+        const Vec pv(p);
+        int64_t d = 0;
+        for (; d + W <= D; d += W) at::vec::fmadd(pv, Vec::loadu(vr + d), Vec::loadu(a + d)).store(a + d);
+        for (; d < D; ++d) a[d] = std::fma(p, vr[d], a[d]);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t g = r / nodes, i = u.i0 + r % nodes;
+      float* a = acc + r * D;
+      for (int64_t d = 0; d < D; ++d) a[d] *= inv_l[r];
+      at::vec::convert(a, out + ((rq.b * Hq + u.h * G + g) * Nq + (i - q0)) * D, D);
+    }
+  }
+};
+
+}  // namespace
+
+void tree_attention_exact(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+                          const std::vector<ExactRequest>& requests, int64_t N, double scale) {
+  const int64_t Hq = q.size(1), Nq = q.size(2), D = q.size(3), Hkv = k.size(1), G = Hq / Hkv;
+  // Rows are independent, so any split into units gives the same bits: (request, kv head, a
+  // run of query nodes) keeps every thread busy on one large tree as on many small ones.
+  const int64_t threads = at::get_num_threads();
+  std::vector<Unit> units;
+  double work = 0.0;
+  for (const ExactRequest& rq : requests) {
+    const int32_t lo = static_cast<int32_t>(N - Nq), hi = rq.n_real;
+    if (hi <= lo) continue;
+    const int32_t per = std::max<int32_t>(1, (hi - lo + threads - 1) / threads);
+    for (int64_t h = 0; h < Hkv; ++h) {
+      for (int32_t i0 = lo; i0 < hi; i0 += per) units.push_back(Unit{&rq, h, i0, std::min(hi, i0 + per)});
+    }
+    work += 2.0 * G * Hkv * (hi - lo) * (rq.prefix + hi) * D;
+  }
+  const int64_t n = static_cast<int64_t>(units.size());
+  if (n == 0) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "tree_attention_exact", [&] {
+    const ExactKernel<scalar_t> kern{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+                                     out.data_ptr<scalar_t>(), k.stride(0), k.stride(1), k.stride(2),
+                                     v.stride(0), v.stride(1), v.stride(2), Hq, G, Nq, N, D,
+                                     static_cast<float>(scale)};
+    // Below ~4 M multiply-adds a thread pool wakes up for longer than the work takes.
+    at::parallel_for(0, n, work < 4e6 ? n : 1, [&](int64_t begin, int64_t end) {
+      typename ExactKernel<scalar_t>::Scratch sc;
+      for (int64_t u = begin; u < end; ++u) kern.run(units[u], sc);
+    });
+  });
+}
+
+}  // namespace poss

@@ -1,0 +1,142 @@
+"""poss::linear against an fp64 expression written here, and the row-invariance of its bf16 CPU kernel.
+
+Row invariance is what makes bf16 speculative decoding bit-identical to bf16 decoding: a token's
+logits must not depend on how many tree nodes shared the GEMM.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import poss_ext
+from helpers.devices import devices
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+FAST = poss_ext.ops.cpu_linear_kernel() == "avx512-bf16"
+needs_fast = pytest.mark.skipif(not FAST, reason="this CPU has no AVX512-BF16 (or POSS_LINEAR=aten)")
+
+
+def exact(x, w, b=None, r=None):
+    y = torch.einsum("...k,nk->...n", x.double(), w.double())
+    if b is not None:
+        y = y + b.double()
+    if r is not None:
+        y = y + r.double()
+    return y
+
+
+def ulp(y: torch.Tensor, dtype) -> torch.Tensor:
+    """The spacing of ``dtype`` at |y| (float64), the subnormal spacing near zero."""
+    fi = torch.finfo(dtype)
+    exp = torch.floor(torch.log2(y.abs().clamp_min(fi.smallest_normal)))
+    return torch.exp2(exp - (fi.bits - 1 - {torch.float32: 8, torch.bfloat16: 8, torch.float16: 5}[dtype]))
+
+
+def inputs(M, N, K, dtype, seed, bias=False, residual=False, lead=()):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, M, K, generator=g).to(dtype)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    r = torch.randn(*lead, M, N, generator=g).to(dtype) if residual else None
+    return x, w, b, r
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,N,K", [(1, 1, 1), (1, 130, 576), (5, 64, 33), (6, 7, 32), (7, 9, 1000), (13, 5, 31)])
+@pytest.mark.parametrize("extras", ["none", "bias", "residual", "both"])
+def test_matches_fp64(device, dtype, M, N, K, extras):
+    x, w, b, r = inputs(M, N, K, dtype, M * 1000 + N + K, bias=extras in ("bias", "both"),
+                        residual=extras in ("residual", "both"), lead=(2,))
+    to = (lambda t: None if t is None else t.to(device))  # noqa: E731
+    out = poss_ext.ops.linear(to(x), to(w), to(b), to(r)).cpu()
+    assert out.shape == (2, M, N) and out.dtype == dtype
+    ref = exact(x, w, b, r)
+    # Our bf16 kernel rounds once an fp32 sum: within one unit in the last place of the exact value
+    # plus the fp32 accumulation error. The vendor GEMMs may also round partial sums (and addmm
+    # rounds bias + residual first): allow them a few units of the terms' magnitude.
+    mag = torch.einsum("...k,nk->...n", x.double().abs(), w.double().abs())
+    mag = mag + (0 if b is None else b.double().abs()) + (0 if r is None else r.double().abs())
+    if dtype == torch.bfloat16 and FAST and device == "cpu":
+        bound = ulp(ref, dtype) + 2.0 ** -20 * mag
+    else:
+        bound = 4 * ulp(ref, dtype) + 2 * torch.finfo(dtype).eps * mag
+    err = (out.double() - ref).abs()
+    assert (err <= bound).all(), f"max error {err.max():.3g} ulps {(err / ulp(ref, dtype)).max():.2f}"
+
+
+@needs_fast
+@settings(max_examples=40, deadline=None)
+@given(M=st.integers(1, 40), N=st.integers(1, 140), K=st.integers(1, 300), seed=st.integers(0, 2 ** 16),
+       residual=st.booleans())
+def test_bf16_rows_are_independent(M, N, K, seed, residual):
+    x, w, b, r = inputs(M, N, K, torch.bfloat16, seed, bias=True, residual=residual)
+    whole = poss_ext.ops.linear(x, w, b, r)
+    for i in range(M):
+        alone = poss_ext.ops.linear(x[i:i + 1], w, b, None if r is None else r[i:i + 1])
+        assert torch.equal(alone[0], whole[i]), f"row {i} of {M} differs when computed alone"
+    # A different split of the rows and a different thread count change nothing either.
+    cut = M // 2
+    parts = torch.cat([poss_ext.ops.linear(x[:cut], w, b, None if r is None else r[:cut]),
+                       poss_ext.ops.linear(x[cut:], w, b, None if r is None else r[cut:])])
+    assert torch.equal(parts, whole)
+
+
+@needs_fast
+def test_bf16_thread_count_does_not_change_results():
+    x, w, b, r = inputs(9, 1000, 576, torch.bfloat16, 3, bias=True, residual=True)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = poss_ext.ops.linear(x, w, b, r)
+        torch.set_num_threads(max(2, before))
+        many = poss_ext.ops.linear(x, w, b, r)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, many)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_inputs(dtype):
+    x, w, _, _ = inputs(5, 12, 40, dtype, 0)
+    xt = x.t().contiguous().t()  # same values, column-major
+    wt = w.t().contiguous().t()
+    exact_match = dtype == torch.bfloat16 and FAST  # ours reads any layout the same way
+    tol = dict(rtol=0, atol=0) if exact_match else {}
+    torch.testing.assert_close(poss_ext.ops.linear(xt, wt), poss_ext.ops.linear(x, w), **tol)
+
+
+def test_empty_rows():
+    x, w, _, _ = inputs(0, 8, 16, torch.bfloat16, 0)
+    assert poss_ext.ops.linear(x, w).shape == (0, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck(dtype):
+    x, w, b, r = inputs(3, 10, 20, dtype, 1, bias=True, residual=True)
+    torch.library.opcheck(torch.ops.poss.linear.default, (x, w, b, r))
+    torch.library.opcheck(torch.ops.poss.linear.default, (x, w))
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("make,match", [
+    (lambda x, w: (x, w[0], None, None), "weight must be 2-D"),
+    (lambda x, w: (x, w[:, :-1], None, None), r"weight.size\(1\) must equal x.size\(-1\)"),
+    (lambda x, w: (x, w.float(), None, None), "weight must be BFloat16"),
+    (lambda x, w: (x, w, torch.zeros(3, dtype=x.dtype, device=x.device), None), r"bias.size\(0\) must equal"),
+    (lambda x, w: (x, w, None, torch.zeros(2, 5, dtype=x.dtype, device=x.device)), r"residual must be \[..., N\]"),
+    (lambda x, w: (x, w, None, torch.zeros(2, 8, device=x.device)), "residual must be BFloat16"),
+    (lambda x, w: (x.long(), w, None, None), "x must be float32, bfloat16 or float16"),
+])
+def test_bad_arguments_name_the_argument(device, make, match):
+    x, w, _, _ = inputs(2, 8, 16, torch.bfloat16, 0)
+    with pytest.raises(RuntimeError, match=match):
+        poss_ext.ops.linear(*make(x.to(device), w.to(device)))
+
+
+@pytest.mark.cuda
+def test_device_mismatch_is_an_error():
+    x, w, _, _ = inputs(2, 8, 16, torch.float32, 0)
+    with pytest.raises(RuntimeError, match="weight must be on the same device as x"):
+        poss_ext.ops.linear(x.cuda(), w)
