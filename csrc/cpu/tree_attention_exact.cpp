@@ -36,6 +36,34 @@ struct Unit {
   int32_t i0, i1;  // query nodes
 };
 
+// o[0:D] = sum over j < L, in order, of p[j] * v[j, 0:D] (p[j] = 0 skipped: it adds nothing), each
+// lane one fmadd per key. The accumulators stay in registers; weighted_sum_any is the same
+// arithmetic for any D, through memory.
+template <int DV>
+void weighted_sum(const float* p, int64_t L, const float* v, float* o) {
+  Vec acc[DV];
+  for (int k = 0; k < DV; ++k) acc[k] = Vec(0.0f);
+  for (int64_t j = 0; j < L; ++j) {
+    if (p[j] == 0.0f) continue;
+    const Vec pv(p[j]);
+    const float* vj = v + j * DV * W;
+    for (int k = 0; k < DV; ++k) acc[k] = at::vec::fmadd(pv, Vec::loadu(vj + k * W), acc[k]);
+  }
+  for (int k = 0; k < DV; ++k) acc[k].store(o + k * W);
+}
+
+void weighted_sum_any(const float* p, int64_t L, const float* v, int64_t D, float* o) {
+  std::fill(o, o + D, 0.0f);
+  for (int64_t j = 0; j < L; ++j) {
+    if (p[j] == 0.0f) continue;
+    const Vec pv(p[j]);
+    const float* vj = v + j * D;
+    int64_t d = 0;
+    for (; d + W <= D; d += W) at::vec::fmadd(pv, Vec::loadu(vj + d), Vec::loadu(o + d)).store(o + d);
+    for (; d < D; ++d) o[d] = std::fma(p[j], vj[d], o[d]);
+  }
+}
+
 template <typename scalar_t>
 struct ExactKernel {
   const scalar_t* q;
@@ -47,7 +75,7 @@ struct ExactKernel {
   float scale;
 
   struct Scratch {
-    std::vector<float> qs, kt, scores, vrow, acc;
+    std::vector<float> qs, kt, scores, v32, acc;
   };
 
   void run(const Unit& u, Scratch& sc) const {
@@ -58,7 +86,6 @@ struct ExactKernel {
     sc.qs.resize(rows * D);
     sc.kt.resize(D * W);
     sc.scores.resize(rows * Lp);
-    sc.vrow.resize(D);
     sc.acc.resize(rows * D);
     // Rows r = g * nodes + n: query node i0 + n of head h * G + g, scaled once.
     for (int64_t g = 0; g < G; ++g) {
@@ -70,7 +97,8 @@ struct ExactKernel {
     const scalar_t* kb = k + rq.b * ks0 + u.h * ks1;
     const scalar_t* vb = v + rq.b * vs0 + u.h * vs1;
 
-    // Scores, W keys at a time: the tile transposed to [D, W] so that a lane is a key.
+    // Scores, W keys at a time: the tile transposed to [D, W] so that a lane is a key; four rows
+    // share each load of the tile (the per-lane arithmetic is the single-row loop's).
     float* kt = sc.kt.data();
     for (int64_t s0 = 0; s0 < L; s0 += W) {
       const int64_t kn = std::min(W, L - s0);
@@ -79,7 +107,24 @@ struct ExactKernel {
         const scalar_t* row = kb + (s0 + c) * ks2;
         for (int64_t d = 0; d < D; ++d) kt[d * W + c] = static_cast<float>(row[d]);
       }
-      for (int64_t r = 0; r < rows; ++r) {
+      int64_t r = 0;
+      for (; r + 4 <= rows; r += 4) {
+        const float* q0r = sc.qs.data() + r * D;
+        Vec a0(0.0f), a1(0.0f), a2(0.0f), a3(0.0f);
+        for (int64_t d = 0; d < D; ++d) {
+          const Vec kv = Vec::loadu(kt + d * W);
+          a0 = at::vec::fmadd(Vec(q0r[d]), kv, a0);
+          a1 = at::vec::fmadd(Vec(q0r[D + d]), kv, a1);
+          a2 = at::vec::fmadd(Vec(q0r[2 * D + d]), kv, a2);
+          a3 = at::vec::fmadd(Vec(q0r[3 * D + d]), kv, a3);
+        }
+        float* out_s = sc.scores.data() + r * Lp + s0;
+        a0.store(out_s, static_cast<int>(kn));
+        a1.store(out_s + Lp, static_cast<int>(kn));
+        a2.store(out_s + 2 * Lp, static_cast<int>(kn));
+        a3.store(out_s + 3 * Lp, static_cast<int>(kn));
+      }
+      for (; r < rows; ++r) {
         const float* qr = sc.qs.data() + r * D;
         Vec acc(0.0f);
         for (int64_t d = 0; d < D; ++d) acc = at::vec::fmadd(Vec(qr[d]), Vec::loadu(kt + d * W), acc);
@@ -108,20 +153,17 @@ struct ExactKernel {
       inv_l[r] = 1.0f / l;
     }
 
-    // o = sum_j p_j v_j, key by key in slot order; each v row is converted once for all rows.
+    // o = sum_j p_j v_j, key by key in slot order, from V converted to fp32 once for all rows.
+    sc.v32.resize(L * D);
+    float* v32 = sc.v32.data();
+    for (int64_t j = 0; j < L; ++j) at::vec::convert(vb + j * vs2, v32 + j * D, D);
     float* acc = sc.acc.data();
-    std::fill(acc, acc + rows * D, 0.0f);
-    float* vr = sc.vrow.data();
-    for (int64_t j = 0; j < L; ++j) {
-      at::vec::convert(vb + j * vs2, vr, D);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float p = sc.scores[r * Lp + j];
-        if (p == 0.0f) continue;
-        float* a = acc + r * D;
-        const Vec pv(p);
-        int64_t d = 0;
-        for (; d + W <= D; d += W) at::vec::fmadd(pv, Vec::loadu(vr + d), Vec::loadu(a + d)).store(a + d);
-        for (; d < D; ++d) a[d] = std::fma(p, vr[d], a[d]);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* p = sc.scores.data() + r * Lp;
+      if (D == 8 * W) {
+        weighted_sum<8>(p, L, v32, acc + r * D);
+      } else {
+        weighted_sum_any(p, L, v32, D, acc + r * D);
       }
     }
     for (int64_t r = 0; r < rows; ++r) {

@@ -39,7 +39,7 @@ DEPTHS = (1, 2, 3, 4, 5, 6)
 # Calibration configs (T, d): every size and every depth timed at least once.
 CALIBRATION = ((1, 0), (4, 1), (8, 2), (16, 3), (32, 4), (60, 5), (60, 6))
 DEFAULT_S, DEFAULT_BETA = 1.0, 0.5
-CACHE_VERSION = 1  # bump when what is measured changes: old cache files are then ignored
+CACHE_VERSION = 2  # bump when what is measured or its kernels change: old cache files are then ignored
 
 
 @dataclass
@@ -152,12 +152,15 @@ def draft_accuracy(draft) -> List[float]:
 
 
 def cache_key(gen) -> Dict:
+    import poss_ext
     from poss import hardware
     from poss.models.target import weight_fingerprint
 
     draft = gen.draft
+    on_cpu = gen.runner.device.type == "cpu"
     return {"method": CACHE_VERSION,
-            "cpu": hardware.cpu_model() if gen.runner.device.type == "cpu" else torch.cuda.get_device_name(),
+            "cpu": hardware.cpu_model() if on_cpu else torch.cuda.get_device_name(),
+            "linear": poss_ext.ops.cpu_linear_kernel() if on_cpu else "aten",
             "threads": torch.get_num_threads(), "dtype": str(gen.runner.dtype).replace("torch.", ""),
             "target": gen.runner.fingerprint(),
             "draft": weight_fingerprint(list(draft.named_parameters())) if draft is not None else None}
