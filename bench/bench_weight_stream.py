@@ -68,7 +68,8 @@ def main(argv=None):
     torch.set_num_threads(a.threads)
     print(f"{hardware.cpu_model()}, {a.threads} thread(s), torch {torch.__version__}, "
           f"read bandwidth {hardware.read_bandwidth_gbs():.1f} GB/s; "
-          f"poss.linear bf16 kernel: {poss_ext.ops.cpu_linear_kernel()}")
+          f"poss.linear kernels: bf16 {poss_ext.ops.cpu_linear_kernel(torch.bfloat16)}, "
+          f"fp32 {poss_ext.ops.cpu_linear_kernel(torch.float32)}")
     rows = (1, 5, 8, 16)
     print("| dtype | kernel | weights | " + " | ".join(f"GB/s at M={m}" for m in rows) + " |")
     print("|---|---|---|" + "---|" * len(rows))

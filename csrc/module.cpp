@@ -26,6 +26,12 @@ PYBIND11_MODULE(_C, m) {
     info["cuda_arch_list"] = POSS_CUDA_ARCH_LIST;
     return info;
   });
-  m.def("cpu_linear_kernel", [] { return std::string(poss::cpu_linear_kernel()); },
-        "The CPU kernel of poss::linear for bf16: 'avx512-bf16' (row-invariant) or 'aten'.");
+  m.def(
+      "cpu_linear_kernel",
+      [](const std::string& dtype) {
+        const auto t = dtype == "bfloat16" ? at::kBFloat16 : dtype == "float32" ? at::kFloat : at::kHalf;
+        return std::string(poss::cpu_linear_kernel(t));
+      },
+      "The CPU kernel of poss::linear for a dtype ('bfloat16', 'float32', 'float16'): 'avx512-bf16' or "
+      "'avx2-fma' (row-invariant), or 'aten'.");
 }

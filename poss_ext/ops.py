@@ -226,9 +226,9 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, residual: O
         weight: ``[N, K]``, x's dtype and device.
         bias: ``[N]`` or None; residual: ``[..., N]`` (x's leading shape) or None.
     Returns:
-        ``[..., N]`` in x's dtype. On a CPU with AVX512-BF16 (see :func:`cpu_linear_kernel`), bf16
-        rows are computed independently of each other: row i of a call is bit-identical to the same
-        row computed alone. No backward (inference only).
+        ``[..., N]`` in x's dtype. Where :func:`cpu_linear_kernel` names one of our kernels (bf16 on
+        AVX512-BF16, fp32 on AVX2 + FMA), rows are computed independently of each other: row i of a
+        call is bit-identical to the same row computed alone. No backward (inference only).
     """
     return torch.ops.poss.linear(x, weight, bias, residual)
 
@@ -239,12 +239,15 @@ def _linear_fake(x, weight, bias=None, residual=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def cpu_linear_kernel() -> str:
-    """The CPU kernel of :func:`linear` for bf16: ``"avx512-bf16"`` (row-invariant, our kernel) or
-    ``"aten"`` (the vendor GEMM: no AVX512-BF16, or ``POSS_LINEAR=aten`` when poss_ext was loaded)."""
+def cpu_linear_kernel(dtype: torch.dtype = torch.bfloat16) -> str:
+    """The CPU kernel of :func:`linear` for ``dtype``: ``"avx512-bf16"`` (bf16 on a CPU with
+    AVX512-BF16) or ``"avx2-fma"`` (fp32 on AVX2 + FMA), our row-invariant kernels; else ``"aten"``
+    (the vendor GEMM; also forced by ``POSS_LINEAR=aten`` when poss_ext was loaded)."""
     from poss_ext import _C
 
-    return _C.cpu_linear_kernel()
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+    return _C.cpu_linear_kernel(str(dtype).replace("torch.", ""))
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -1,4 +1,5 @@
-"""poss::linear against an fp64 expression written here, and the row-invariance of its bf16 CPU kernel.
+"""poss::linear against an fp64 expression written here, and the row-invariance of its CPU kernels
+(bf16 on AVX512-BF16, fp32 on AVX2 + FMA).
 
 Row invariance is what makes bf16 speculative decoding bit-identical to bf16 decoding: a token's
 logits must not depend on how many tree nodes shared the GEMM.
@@ -13,8 +14,9 @@ import poss_ext
 from helpers.devices import devices
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-FAST = poss_ext.ops.cpu_linear_kernel() == "avx512-bf16"
-needs_fast = pytest.mark.skipif(not FAST, reason="this CPU has no AVX512-BF16 (or POSS_LINEAR=aten)")
+OURS = {dtype: poss_ext.ops.cpu_linear_kernel(dtype) != "aten" for dtype in DTYPES}  # row-invariant kernels
+needs_ours = pytest.mark.skipif(not OURS[torch.bfloat16] and not OURS[torch.float32],
+                                reason="this CPU has neither AVX512-BF16 nor AVX2 + FMA (or POSS_LINEAR=aten)")
 
 
 def exact(x, w, b=None, r=None):
@@ -58,7 +60,7 @@ def test_matches_fp64(device, dtype, M, N, K, extras):
     # rounds bias + residual first): allow them a few units of the terms' magnitude.
     mag = torch.einsum("...k,nk->...n", x.double().abs(), w.double().abs())
     mag = mag + (0 if b is None else b.double().abs()) + (0 if r is None else r.double().abs())
-    if dtype == torch.bfloat16 and FAST and device == "cpu":
+    if OURS[dtype] and device == "cpu":
         bound = ulp(ref, dtype) + 2.0 ** -20 * mag
     else:
         bound = 4 * ulp(ref, dtype) + 2 * torch.finfo(dtype).eps * mag
@@ -66,12 +68,12 @@ def test_matches_fp64(device, dtype, M, N, K, extras):
     assert (err <= bound).all(), f"max error {err.max():.3g} ulps {(err / ulp(ref, dtype)).max():.2f}"
 
 
-@needs_fast
-@settings(max_examples=40, deadline=None)
+@needs_ours
+@settings(max_examples=60, deadline=None)
 @given(M=st.integers(1, 40), N=st.integers(1, 140), K=st.integers(1, 300), seed=st.integers(0, 2 ** 16),
-       residual=st.booleans())
-def test_bf16_rows_are_independent(M, N, K, seed, residual):
-    x, w, b, r = inputs(M, N, K, torch.bfloat16, seed, bias=True, residual=residual)
+       residual=st.booleans(), dtype=st.sampled_from([d for d in DTYPES if OURS[d]] or [torch.float32]))
+def test_rows_are_independent(M, N, K, seed, residual, dtype):
+    x, w, b, r = inputs(M, N, K, dtype, seed, bias=True, residual=residual)
     whole = poss_ext.ops.linear(x, w, b, r)
     for i in range(M):
         alone = poss_ext.ops.linear(x[i:i + 1], w, b, None if r is None else r[i:i + 1])
@@ -83,9 +85,12 @@ def test_bf16_rows_are_independent(M, N, K, seed, residual):
     assert torch.equal(parts, whole)
 
 
-@needs_fast
-def test_bf16_thread_count_does_not_change_results():
-    x, w, b, r = inputs(9, 1000, 576, torch.bfloat16, 3, bias=True, residual=True)
+@needs_ours
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_thread_count_does_not_change_results(dtype):
+    if not OURS[dtype]:
+        pytest.skip(f"no row-invariant kernel for {dtype} on this CPU")
+    x, w, b, r = inputs(9, 1000, 576, dtype, 3, bias=True, residual=True)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -102,7 +107,7 @@ def test_strided_inputs(dtype):
     x, w, _, _ = inputs(5, 12, 40, dtype, 0)
     xt = x.t().contiguous().t()  # same values, column-major
     wt = w.t().contiguous().t()
-    exact_match = dtype == torch.bfloat16 and FAST  # ours reads any layout the same way
+    exact_match = OURS[dtype]  # ours reads any layout the same way
     tol = dict(rtol=0, atol=0) if exact_match else {}
     torch.testing.assert_close(poss_ext.ops.linear(xt, wt), poss_ext.ops.linear(x, w), **tol)
 

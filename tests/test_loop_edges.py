@@ -5,7 +5,7 @@ import torch
 
 from helpers.loop import (
     ByteTokenizer,
-    assert_bf16_lossless,
+    assert_lossless_in_dtype,
     eval_prompts,
     hf_greedy,
     make_generator,
@@ -113,18 +113,19 @@ def test_stop_strings_cut_the_text_and_stream_matches(byte_gen):
     assert "".join(byte_gen.stream(prompt, 60, stop=["\x00never\x00"])) == full
 
 
-def test_bf16_speculative_matches_our_bf16_autoregressive_loop():
-    """In bf16, greedy speculation equals our own bf16 AR loop token for token on a CPU with
-    AVX512-BF16 (row-invariant GEMM and attention); with the vendor GEMM a divergence is only
-    allowed at a near-tie of the AR loop's logits (bf16 tree and single-token GEMMs round differently)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_speculative_matches_our_autoregressive_loop_in_its_dtype(dtype):
+    """Greedy speculation equals our own AR loop in the same dtype, token for token, where poss::linear
+    has a row-invariant kernel for it (bf16: AVX512-BF16, fp32: AVX2 + FMA); with the vendor GEMM a
+    divergence is only allowed at a near-tie of the logits (tree and single-token GEMMs round differently)."""
     model = tiny_target(seed=4)
     prompts = eval_prompts(2, max_len=32)[:8]
-    ar = make_generator(model, draft=False, dtype=torch.bfloat16)
-    spec = make_generator(model, draft=True, n=3, ppl=2, aligned=True, dtype=torch.bfloat16)
+    ar = make_generator(model, draft=False, dtype=dtype)
+    spec = make_generator(model, draft=True, n=3, ppl=2, aligned=True, dtype=dtype)
     want = ar.generate(prompts, 64).token_ids
     got = spec.generate(prompts, 64).token_ids
-    parted = assert_bf16_lossless(model, prompts, got, want)
-    print(f"bf16: {len(prompts) - parted}/{len(prompts)} identical to the bf16 AR loop")
+    parted = assert_lossless_in_dtype(dtype, model, prompts, got, want)
+    print(f"{dtype}: {len(prompts) - parted}/{len(prompts)} identical to the AR loop")
     assert parted <= 2
 
 

@@ -7,7 +7,7 @@ tokens and a small tree (the 24-prompt x 128-token check runs on the tiny model,
 import pytest
 import torch
 
-from helpers.loop import assert_bf16_lossless, single_thread  # noqa: F401  (autouse: one CPU thread)
+from helpers.loop import assert_lossless_in_dtype, single_thread  # noqa: F401  (autouse: one CPU thread)
 from poss.data import load_eval_set
 
 pytestmark = pytest.mark.slow
@@ -70,7 +70,7 @@ def test_real_smollm2_bf16_speculation_matches_bf16_ar():
     texts = [load_eval_set(name)[1]["turns"][0] for name in ("gsm8k", "humaneval", "qa", "mt_bench")]
     prompts = [spec.encode(t) for t in texts]
     got, want = spec.generate(prompts, NEW).token_ids, ar.generate(prompts, NEW).token_ids
-    parted = assert_bf16_lossless(load_model("smollm2-135m")[1], prompts, got, want)
+    parted = assert_lossless_in_dtype(torch.bfloat16, load_model("smollm2-135m")[1], prompts, got, want)
     print(f"bf16, real model: {len(prompts) - parted}/{len(prompts)} identical to the bf16 AR loop")
 
 

@@ -1,17 +1,20 @@
-// CPU kernel of poss::linear for bf16 on CPUs with AVX512-BF16: out = x @ W^T + bias + residual.
+// CPU kernels of poss::linear: out = x @ W^T + bias + residual, for bf16 on CPUs with AVX512-BF16
+// and for fp32 on CPUs with AVX2 + FMA (every other dtype or CPU: the vendor GEMM).
 //
 // Why our own GEMM: decoding streams every weight once per token, and at one row (a decode step)
-// or a handful (a small draft tree) the vendor bf16 GEMM reaches under half the core's read
-// bandwidth. The second reason is exactness: the vendor picks a different kernel, and so a
-// different summation order, for different row counts, so a token's logits inside a tree verify
-// differ in the last bits from a decode step's and greedy paths part at near-ties. Here every
-// output element is one fixed sequence, whatever the number of rows, the tile it falls in, or the
-// thread count: 16 fp32 lanes accumulate VDPBF16PS over K in chunks of 32 (the last chunk
-// zero-masked), then one horizontal sum, then + bias, + residual, one rounding to bf16.
+// or a handful (a small draft tree) the vendor GEMM reaches under half the core's read bandwidth.
+// The second reason is exactness: the vendor picks a different kernel, and so a different
+// summation order, for different row counts, so a token's logits inside a tree verify differ in
+// the last bits from a decode step's and greedy paths part at near-ties. Here every output element
+// is one fixed sequence, whatever the number of rows, the tile it falls in, or the thread count:
+// SIMD lanes accumulate over K in chunks of one vector (the last chunk zero-masked), then one
+// horizontal sum in a fixed order, then + bias, + residual, and (bf16) one rounding.
+//   bf16: 16 fp32 lanes, VDPBF16PS over 32 bf16 pairs per step;
+//   fp32:  8 fp32 lanes, FMA over 8 floats per step.
 //
 // Tiling: threads split the N weight rows in blocks of 64 (a block stays in L2 while every group
-// of up to 6 x rows passes over it); a micro-kernel holds 6 x 4 accumulators in registers and
-// prefetches the next 4 weight rows as it streams the current ones.
+// of x rows passes over it); a micro-kernel holds MR x NR accumulators in registers and prefetches
+// the next weight rows as it streams the current ones.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -25,96 +28,163 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
-#define POSS_HAVE_AVX512BF16_KERNEL 1
+#define POSS_X86_KERNELS 1
 #define POSS_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define POSS_AVX2FMA __attribute__((target("avx2,fma")))
 #endif
 
 namespace poss {
 namespace {
 
 constexpr int64_t kRowBlock = 64;  // weight rows per thread work unit
-constexpr int kMaxRows = 6;        // x rows per micro-kernel
-constexpr int kCols = 4;           // weight rows per micro-kernel
 
-#ifdef POSS_HAVE_AVX512BF16_KERNEL
+#ifdef POSS_X86_KERNELS
 
+template <typename T>
 struct Epilogue {
-  const c10::BFloat16* bias;      // [N] or null
-  const c10::BFloat16* residual;  // [M, N] or null
-  c10::BFloat16* out;             // [M, N]
+  const T* bias;      // [N] or null
+  const T* residual;  // [M, N] or null
+  T* out;             // [M, N]
   int64_t N;
+
+  // The element's fp32 dot product -> + bias, + residual, stored (rounded once for bf16).
+  void store(int64_t m, int64_t n, float v) const {
+    if (bias) v += static_cast<float>(bias[n]);
+    if (residual) v += static_cast<float>(residual[m * N + n]);
+    out[m * N + n] = static_cast<T>(v);
+  }
 };
 
-// Rows m0..m0+MR of x against weight rows n..n+NR. x rows have stride K, like the weight rows.
-template <int MR, int NR>
-POSS_AVX512BF16 void micro(const uint16_t* x, const uint16_t* w, int64_t K, int64_t m0, int64_t n,
-                           const Epilogue& e) {
-  __m512 acc[MR][NR];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    __m512bh xv[MR];
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) xv[i] = (__m512bh)_mm512_loadu_si512(x + i * K + k);
-#pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + j * K + k);
-      // The next micro-kernel's weight rows: the hardware prefetcher alone leaves DRAM idle
-      // while several x rows are being multiplied.
-      _mm_prefetch(reinterpret_cast<const char*>(w + (j + NR) * K + k), _MM_HINT_T0);
-#pragma GCC unroll 8
-      for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv);
-    }
-  }
-  if (k < K) {
-    const __mmask32 tail = static_cast<__mmask32>((1ull << (K - k)) - 1);
-    __m512bh xv[MR];
-    for (int i = 0; i < MR; ++i) xv[i] = (__m512bh)_mm512_maskz_loadu_epi16(tail, x + i * K + k);
-    for (int j = 0; j < NR; ++j) {
-      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(tail, w + j * K + k);
-      for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv);
-    }
-  }
-  for (int i = 0; i < MR; ++i) {
-    const int64_t row = (m0 + i) * e.N;
-    for (int j = 0; j < NR; ++j) {
-      float v = _mm512_reduce_add_ps(acc[i][j]);
-      if (e.bias) v += static_cast<float>(e.bias[n + j]);
-      if (e.residual) v += static_cast<float>(e.residual[row + n + j]);
-      e.out[row + n + j] = c10::BFloat16(v);
-    }
-  }
+// ---- bf16 x bf16 -> fp32 lanes (AVX512-BF16) ----
+
+// The 16 lanes summed as a fixed pairwise tree (what _mm512_reduce_add_ps does, without the GCC 12
+// -Wuninitialized false positive its header triggers).
+POSS_AVX512BF16 inline float hsum512(__m512 v) {
+  alignas(64) float t[16];
+  _mm512_store_ps(t, v);
+  for (int w = 8; w > 0; w /= 2)
+    for (int l = 0; l < w; ++l) t[l] += t[l + w];
+  return t[0];
 }
 
-// MR x rows (starting at row m0) against weight rows [n0, n1).
-template <int MR>
-POSS_AVX512BF16 void row_group(const uint16_t* x, const uint16_t* w, int64_t K, int64_t m0, int64_t n0,
-                               int64_t n1, const Epilogue& e) {
-  const uint16_t* xr = x + m0 * K;
+struct Bf16Avx512 {
+  using T = c10::BFloat16;
+  static constexpr int kMaxRows = 6, kCols = 4;  // 24 accumulators + 6 x vectors + 1 weight vector
+
+  // Rows m0..m0+MR of x against weight rows n..n+NR (x rows have stride K, like the weight rows).
+  template <int MR, int NR>
+  POSS_AVX512BF16 static void micro(const T* xp, const T* wp, int64_t K, int64_t m0, int64_t n,
+                                    const Epilogue<T>& e) {
+    const auto* x = reinterpret_cast<const uint16_t*>(xp);
+    const auto* w = reinterpret_cast<const uint16_t*>(wp);
+    __m512 acc[MR][NR];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      __m512bh xv[MR];
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) xv[i] = (__m512bh)_mm512_loadu_si512(x + i * K + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + j * K + k);
+        // The next micro-kernel's weight rows: the hardware prefetcher alone leaves DRAM idle
+        // while several x rows are being multiplied.
+        _mm_prefetch(reinterpret_cast<const char*>(w + (j + NR) * K + k), _MM_HINT_T0);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv);
+      }
+    }
+    if (k < K) {
+      const __mmask32 tail = static_cast<__mmask32>((1ull << (K - k)) - 1);
+      __m512bh xv[MR];
+      for (int i = 0; i < MR; ++i) xv[i] = (__m512bh)_mm512_maskz_loadu_epi16(tail, x + i * K + k);
+      for (int j = 0; j < NR; ++j) {
+        const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(tail, w + j * K + k);
+        for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv);
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) e.store(m0 + i, n + j, hsum512(acc[i][j]));
+  }
+};
+
+// ---- fp32 (AVX2 + FMA) ----
+
+POSS_AVX2FMA inline float hsum256(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+struct F32Avx2 {
+  using T = float;
+  static constexpr int kMaxRows = 4, kCols = 2;  // 8 accumulators + 4 x vectors + 1 weight vector
+
+  template <int MR, int NR>
+  POSS_AVX2FMA static void micro(const T* x, const T* w, int64_t K, int64_t m0, int64_t n, const Epilogue<T>& e) {
+    __m256 acc[MR][NR];
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+      __m256 xv[MR];
+#pragma GCC unroll 4
+      for (int i = 0; i < MR; ++i) xv[i] = _mm256_loadu_ps(x + i * K + k);
+#pragma GCC unroll 2
+      for (int j = 0; j < NR; ++j) {
+        const __m256 wv = _mm256_loadu_ps(w + j * K + k);
+        _mm_prefetch(reinterpret_cast<const char*>(w + (j + NR) * K + k), _MM_HINT_T0);
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+      }
+    }
+    if (k < K) {
+      alignas(32) int32_t lanes[8];
+      for (int l = 0; l < 8; ++l) lanes[l] = k + l < K ? -1 : 0;
+      const __m256i tail = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
+      __m256 xv[MR];
+      for (int i = 0; i < MR; ++i) xv[i] = _mm256_maskload_ps(x + i * K + k, tail);
+      for (int j = 0; j < NR; ++j) {
+        const __m256 wv = _mm256_maskload_ps(w + j * K + k, tail);
+        for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) e.store(m0 + i, n + j, hsum256(acc[i][j]));
+  }
+};
+
+// ---- the shared driver ----
+
+// MR x rows (from row m0) against weight rows [n0, n1).
+template <typename Kern, int MR>
+void row_group(const typename Kern::T* x, const typename Kern::T* w, int64_t K, int64_t m0, int64_t n0,
+               int64_t n1, const Epilogue<typename Kern::T>& e) {
+  const auto* xr = x + m0 * K;
   int64_t n = n0;
-  for (; n + kCols <= n1; n += kCols) micro<MR, kCols>(xr, w + n * K, K, m0, n, e);
-  for (; n < n1; ++n) micro<MR, 1>(xr, w + n * K, K, m0, n, e);
+  for (; n + Kern::kCols <= n1; n += Kern::kCols) Kern::template micro<MR, Kern::kCols>(xr, w + n * K, K, m0, n, e);
+  for (; n < n1; ++n) Kern::template micro<MR, 1>(xr, w + n * K, K, m0, n, e);
 }
 
-POSS_AVX512BF16 void weight_block(const uint16_t* x, const uint16_t* w, int64_t M, int64_t K, int64_t n0,
-                                  int64_t n1, const Epilogue& e) {
-  int64_t m = 0;
-  for (; m + kMaxRows <= M; m += kMaxRows) row_group<kMaxRows>(x, w, K, m, n0, n1, e);
-  switch (M - m) {
-    case 1: row_group<1>(x, w, K, m, n0, n1, e); break;
-    case 2: row_group<2>(x, w, K, m, n0, n1, e); break;
-    case 3: row_group<3>(x, w, K, m, n0, n1, e); break;
-    case 4: row_group<4>(x, w, K, m, n0, n1, e); break;
-    case 5: row_group<5>(x, w, K, m, n0, n1, e); break;
-    default: break;
+// The last M % kMaxRows rows, in one pass of the right height.
+template <typename Kern, int MR>
+void tail_rows(int64_t rows, const typename Kern::T* x, const typename Kern::T* w, int64_t K, int64_t m0,
+               int64_t n0, int64_t n1, const Epilogue<typename Kern::T>& e) {
+  if constexpr (MR > 0) {
+    if (rows == MR) return row_group<Kern, MR>(x, w, K, m0, n0, n1, e);
+    tail_rows<Kern, MR - 1>(rows, x, w, K, m0, n0, n1, e);
   }
 }
 
-at::Tensor linear_avx512bf16(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                             const std::optional<at::Tensor>& residual) {
+template <typename Kern>
+at::Tensor linear_kernel(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                         const std::optional<at::Tensor>& residual) {
+  using T = typename Kern::T;
   const int64_t K = x.size(-1), N = weight.size(0);
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;
@@ -126,55 +196,75 @@ at::Tensor linear_avx512bf16(const at::Tensor& x, const at::Tensor& weight, cons
   at::Tensor b, r;
   if (bias) b = bias->contiguous();
   if (residual) r = residual->reshape({M, N}).contiguous();
-  const Epilogue e{bias ? b.const_data_ptr<c10::BFloat16>() : nullptr,
-                   residual ? r.const_data_ptr<c10::BFloat16>() : nullptr, out.mutable_data_ptr<c10::BFloat16>(), N};
-  const auto* xp = reinterpret_cast<const uint16_t*>(x2.const_data_ptr<c10::BFloat16>());
-  const auto* wp = reinterpret_cast<const uint16_t*>(w.const_data_ptr<c10::BFloat16>());
+  const Epilogue<T> e{bias ? b.const_data_ptr<T>() : nullptr, residual ? r.const_data_ptr<T>() : nullptr,
+                      out.mutable_data_ptr<T>(), N};
+  const T* xp = x2.const_data_ptr<T>();
+  const T* wp = w.const_data_ptr<T>();
   const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
   // Threads only pay beyond ~0.1 M multiply-adds per block; the split never changes a result.
   const int64_t grain = M * K * kRowBlock >= (1 << 17) ? 1 : blocks;
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk) {
-      weight_block(xp, wp, M, K, blk * kRowBlock, std::min(N, (blk + 1) * kRowBlock), e);
+      const int64_t n0 = blk * kRowBlock, n1 = std::min(N, n0 + kRowBlock);
+      int64_t m = 0;
+      for (; m + Kern::kMaxRows <= M; m += Kern::kMaxRows) row_group<Kern, Kern::kMaxRows>(xp, wp, K, m, n0, n1, e);
+      tail_rows<Kern, Kern::kMaxRows - 1>(M - m, xp, wp, K, m, n0, n1, e);
     }
   });
   return out.view(out_shape);
 }
 
-bool cpu_has_avx512_bf16() {
+bool cpu_supports(const char* bf16_or_f32) {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+  if (std::strcmp(bf16_or_f32, "bf16") == 0) {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+  }
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
 #else
 
-bool cpu_has_avx512_bf16() { return false; }
+bool cpu_supports(const char*) { return false; }
 
 #endif
 
-bool use_avx512bf16_kernel() {
-  static const bool use = [] {
+// POSS_LINEAR=aten (read once) forces the vendor GEMM, for comparisons.
+bool forced_aten() {
+  static const bool forced = [] {
     const char* env = std::getenv("POSS_LINEAR");
-    return cpu_has_avx512_bf16() && !(env != nullptr && std::strcmp(env, "aten") == 0);
+    return env != nullptr && std::strcmp(env, "aten") == 0;
   }();
+  return forced;
+}
+
+bool use_bf16_kernel() {
+  static const bool use = !forced_aten() && cpu_supports("bf16");
+  return use;
+}
+
+bool use_f32_kernel() {
+  static const bool use = !forced_aten() && cpu_supports("f32");
   return use;
 }
 
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                       const std::optional<at::Tensor>& residual) {
   check_linear(x, weight, bias, residual);
-#ifdef POSS_HAVE_AVX512BF16_KERNEL
-  if (x.scalar_type() == at::kBFloat16 && use_avx512bf16_kernel()) {
-    return linear_avx512bf16(x, weight, bias, residual);
-  }
+#ifdef POSS_X86_KERNELS
+  if (x.scalar_type() == at::kBFloat16 && use_bf16_kernel()) return linear_kernel<Bf16Avx512>(x, weight, bias, residual);
+  if (x.scalar_type() == at::kFloat && use_f32_kernel()) return linear_kernel<F32Avx2>(x, weight, bias, residual);
 #endif
   return linear_aten(x, weight, bias, residual);
 }
 
 }  // namespace
 
-const char* cpu_linear_kernel() { return use_avx512bf16_kernel() ? "avx512-bf16" : "aten"; }
+const char* cpu_linear_kernel(at::ScalarType dtype) {
+  if (dtype == at::kBFloat16) return use_bf16_kernel() ? "avx512-bf16" : "aten";
+  if (dtype == at::kFloat) return use_f32_kernel() ? "avx2-fma" : "aten";
+  return "aten";
+}
 
 TORCH_LIBRARY_IMPL(poss, CPU, m) { m.impl("linear", &linear_cpu); }
 

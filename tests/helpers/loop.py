@@ -26,16 +26,17 @@ def hf_greedy(model, prompt, max_new_tokens, **kw):
     return out[0, len(prompt):].tolist()
 
 
-def assert_bf16_lossless(fp32_model, prompts, got, want) -> int:
-    """bf16 speculation (``got``) against the bf16 AR loop (``want``). With the row-invariant bf16
-    kernels (a CPU with AVX512-BF16) they must be identical; with the vendor GEMM a path may part at
-    a near-tie (see :func:`assert_divergences_are_near_ties`). Returns how many parted."""
+def assert_lossless_in_dtype(dtype, fp32_model, prompts, got, want) -> int:
+    """Speculation (``got``) against our AR loop (``want``), both in ``dtype``. Where poss::linear runs
+    one of our row-invariant kernels for ``dtype`` (bf16 on AVX512-BF16, fp32 on AVX2 + FMA) they must
+    be identical; with the vendor GEMM a path may part at a near-tie (see
+    :func:`assert_divergences_are_near_ties`). Returns how many parted."""
     import poss_ext
 
-    if poss_ext.ops.cpu_linear_kernel() == "avx512-bf16":
+    if poss_ext.ops.cpu_linear_kernel(dtype) != "aten":
         for i, (g, w) in enumerate(zip(got, want)):
             first = next((k for k, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
-            assert g == w, f"prompt {i}: bf16 speculation parts from bf16 decoding at token {first}"
+            assert g == w, f"prompt {i}: speculation parts from decoding in {dtype} at token {first}"
         return 0
     return assert_divergences_are_near_ties(fp32_model, prompts, got, want)
 

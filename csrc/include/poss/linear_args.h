@@ -59,8 +59,9 @@ inline at::Tensor linear_aten(const at::Tensor& x, const at::Tensor& weight, con
 
 namespace poss {
 
-// The kernel poss::linear uses for bf16 on this CPU: "avx512-bf16" (row-invariant, see
-// csrc/cpu/linear.cpp) or "aten". POSS_LINEAR=aten, read once, forces the vendor GEMM.
-const char* cpu_linear_kernel();
+// The kernel poss::linear uses for `dtype` on this CPU: "avx512-bf16" (bf16 on AVX512-BF16),
+// "avx2-fma" (fp32 on AVX2 + FMA), both row-invariant (csrc/cpu/linear.cpp), or "aten" (the vendor
+// GEMM). POSS_LINEAR=aten, read once, forces the vendor GEMM.
+const char* cpu_linear_kernel(at::ScalarType dtype);
 
 }  // namespace poss

@@ -160,7 +160,7 @@ def cache_key(gen) -> Dict:
     on_cpu = gen.runner.device.type == "cpu"
     return {"method": CACHE_VERSION,
             "cpu": hardware.cpu_model() if on_cpu else torch.cuda.get_device_name(),
-            "linear": poss_ext.ops.cpu_linear_kernel() if on_cpu else "aten",
+            "linear": poss_ext.ops.cpu_linear_kernel(gen.runner.dtype) if on_cpu else "aten",
             "threads": torch.get_num_threads(), "dtype": str(gen.runner.dtype).replace("torch.", ""),
             "target": gen.runner.fingerprint(),
             "draft": weight_fingerprint(list(draft.named_parameters())) if draft is not None else None}
