@@ -178,7 +178,7 @@ def bandwidth(row: Dict, runner) -> Dict:
 def matches(rows: List[Dict], ref: Dict) -> None:
     for r in rows:
         same = sum(a == b for a, b in zip(r["token_ids"], ref["token_ids"]))
-        r["identical_to_ar"] = f"{same}/{len(ref['token_ids'])}"
+        r["identical_to_ar"] = f"{same}/{min(len(r['token_ids']), len(ref['token_ids']))}"  # batch rows: their prompts
 
 
 # -- the whole run ------------------------------------------------------------------------------------

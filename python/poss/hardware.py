@@ -80,11 +80,15 @@ def read_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
 
 def describe(dtype: Union[str, torch.dtype, None] = None, threads: int = None) -> Dict:
     """The facts every benchmark header states."""
+    import poss_ext
+
     flags = cpu_flags()
     simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    dt = resolve_dtype(dtype) if dtype is not None else None
     return {"cpu": cpu_model(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "simd": simd, "fast_bf16": cpu_has_fast_bf16(flags), "threads": threads or torch.get_num_threads(),
-            "dtype": str(dtype).replace("torch.", "") if dtype is not None else None, "torch": torch.__version__}
+            "dtype": str(dt).replace("torch.", "") if dt is not None else None, "torch": torch.__version__,
+            "linear_kernel": poss_ext.ops.cpu_linear_kernel(dt) if dt is not None else None}
 
 
 def header(dtype=None, threads: int = None) -> str:
@@ -92,4 +96,4 @@ def header(dtype=None, threads: int = None) -> str:
     d = describe(dtype, threads)
     bf16 = "fast bf16 (AMX/AVX512-BF16)" if d["fast_bf16"] else "no hardware bf16"
     s = f"{d['cpu']} ({d['torch_cpu_capability']}; {bf16}), {d['threads']} threads"
-    return s + (f", {d['dtype']}" if d["dtype"] else "")
+    return s + (f", {d['dtype']} (GEMM: {d['linear_kernel']})" if d["dtype"] else "")
