@@ -49,5 +49,5 @@ sys.exit(0 if f.startswith('$pkg/') else 'sanitize_check: imported the wrong pos
 "$python" -P -m pytest -q -p no:cacheprovider \
   tests/test_tree_verify.py tests/test_tree_verify_errors.py tests/test_sampling_exact.py \
   tests/test_build_tree.py tests/test_tree_attention.py tests/test_kv_compact.py \
-  tests/test_layer_ops.py "$@"
+  tests/test_layer_ops.py tests/test_linear.py "$@"
 echo "sanitize_check: clean"

@@ -82,8 +82,9 @@ def table(results: Dict) -> str:
     mach = results["machine"]
     s = results["settings"]
     lines.append("")
-    lines.append(f"Machine: {mach['cpu']} ({mach['torch_cpu_capability']}), {mach['threads']} threads, {mach['dtype']}, "
-                 f"torch {mach['torch']}. Settings: {s}.")
+    gemm = f" (GEMM: {mach['linear_kernel']})" if mach.get("linear_kernel") else ""
+    lines.append(f"Machine: {mach['cpu']} ({mach['torch_cpu_capability']}), {mach['threads']} threads, {mach['dtype']}"
+                 f"{gemm}, torch {mach['torch']}. Settings: {s}.")
     return "\n".join(lines) + "\n"
 
 
