@@ -11,7 +11,8 @@
 //   m = max_j score_j;  p_j = exp(score_j - m)   (one vector exp routine for every key)
 //   l = sum over j, in order, of p_j;  o = sum over j, in order, of p_j * v_j;  out = o / l
 // Keys a row cannot see get p = 0 and are skipped, which adds exactly nothing. The tiled kernel
-// still serves prefills (prefix 0), where both decoding modes run the same call.
+// still serves prefills (prefix 0), where both decoding modes run the same call. The score and P.V
+// loops run 16 lanes wide on CPUs with AVX512F, else 8 (at::vec, AVX2): the same bits either way.
 #include "tree_attention_exact.h"
 
 #include <ATen/Parallel.h>
@@ -22,6 +23,12 @@
 #include <limits>
 
 #include "poss/tree_attention.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define POSS_EXACT_AVX512 1
+#define POSS_AVX512F __attribute__((target("avx512f")))
+#endif
 
 namespace poss {
 namespace {
@@ -64,6 +71,70 @@ void weighted_sum_any(const float* p, int64_t L, const float* v, int64_t D, floa
   }
 }
 
+#ifdef POSS_EXACT_AVX512
+// The same two loops with 16-lane vectors, on CPUs with AVX512F. A lane's arithmetic is the 8-lane
+// loops' (one fused multiply-add per d for a score, per key for an output element, in the same
+// order), so both give the same bits and the choice is only a matter of speed.
+constexpr int64_t W16 = 16;
+
+// Scores of `rows` query rows (stride D) against the kn <= 16 keys of kt [D, 16].
+POSS_AVX512F void scores16(const float* qs, int64_t rows, int64_t D, const float* kt, int64_t kn, float* out,
+                           int64_t ld) {
+  const __mmask16 m = static_cast<__mmask16>((1u << kn) - 1);
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    const float* q = qs + r * D;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      const __m512 kv = _mm512_loadu_ps(kt + d * W16);
+      a0 = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), kv, a0);
+      a1 = _mm512_fmadd_ps(_mm512_set1_ps(q[D + d]), kv, a1);
+      a2 = _mm512_fmadd_ps(_mm512_set1_ps(q[2 * D + d]), kv, a2);
+      a3 = _mm512_fmadd_ps(_mm512_set1_ps(q[3 * D + d]), kv, a3);
+    }
+    float* o = out + r * ld;
+    _mm512_mask_storeu_ps(o, m, a0);
+    _mm512_mask_storeu_ps(o + ld, m, a1);
+    _mm512_mask_storeu_ps(o + 2 * ld, m, a2);
+    _mm512_mask_storeu_ps(o + 3 * ld, m, a3);
+  }
+  for (; r < rows; ++r) {
+    const float* q = qs + r * D;
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) a = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), _mm512_loadu_ps(kt + d * W16), a);
+    _mm512_mask_storeu_ps(out + r * ld, m, a);
+  }
+}
+
+// weighted_sum for D = 64: four 16-lane accumulators.
+POSS_AVX512F void weighted_sum64(const float* p, int64_t L, const float* v, float* o) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+  for (int64_t j = 0; j < L; ++j) {
+    if (p[j] == 0.0f) continue;
+    const __m512 pv = _mm512_set1_ps(p[j]);
+    const float* vj = v + j * 64;
+    a0 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vj), a0);
+    a1 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vj + 16), a1);
+    a2 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vj + 32), a2);
+    a3 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vj + 48), a3);
+  }
+  _mm512_storeu_ps(o, a0);
+  _mm512_storeu_ps(o + 16, a1);
+  _mm512_storeu_ps(o + 32, a2);
+  _mm512_storeu_ps(o + 48, a3);
+}
+
+bool has_avx512f() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f");
+  }();
+  return yes;
+}
+#else
+bool has_avx512f() { return false; }
+#endif
+
 template <typename scalar_t>
 struct ExactKernel {
   const scalar_t* q;
@@ -100,7 +171,22 @@ struct ExactKernel {
     // Scores, W keys at a time: the tile transposed to [D, W] so that a lane is a key; four rows
     // share each load of the tile (the per-lane arithmetic is the single-row loop's).
     float* kt = sc.kt.data();
-    for (int64_t s0 = 0; s0 < L; s0 += W) {
+#ifdef POSS_EXACT_AVX512
+    if (has_avx512f()) {
+      sc.kt.resize(D * W16);
+      kt = sc.kt.data();
+      for (int64_t s0 = 0; s0 < L; s0 += W16) {
+        const int64_t kn = std::min(W16, L - s0);
+        std::fill(kt, kt + D * W16, 0.0f);
+        for (int64_t c = 0; c < kn; ++c) {
+          const scalar_t* row = kb + (s0 + c) * ks2;
+          for (int64_t d = 0; d < D; ++d) kt[d * W16 + c] = static_cast<float>(row[d]);
+        }
+        scores16(sc.qs.data(), rows, D, kt, kn, sc.scores.data() + s0, Lp);
+      }
+    }
+#endif
+    for (int64_t s0 = 0; s0 < L && !has_avx512f(); s0 += W) {
       const int64_t kn = std::min(W, L - s0);
       std::fill(kt, kt + D * W, 0.0f);
       for (int64_t c = 0; c < kn; ++c) {
@@ -160,7 +246,11 @@ struct ExactKernel {
     float* acc = sc.acc.data();
     for (int64_t r = 0; r < rows; ++r) {
       const float* p = sc.scores.data() + r * Lp;
-      if (D == 8 * W) {
+      if (D == 64 && has_avx512f()) {
+#ifdef POSS_EXACT_AVX512
+        weighted_sum64(p, L, v32, acc + r * D);
+#endif
+      } else if (D == 8 * W) {
         weighted_sum<8>(p, L, v32, acc + r * D);
       } else {
         weighted_sum_any(p, L, v32, D, acc + r * D);
