@@ -50,8 +50,9 @@ at::Tensor call_tree_attention(const at::Tensor& q, const at::Tensor& k, const a
   return h.call(q, k, v, prefix_len, parents, scale);
 }
 
-// y = x @ w^T (+ bias) (+ residual), through poss::linear: on a CPU with AVX512-BF16 a row's
-// result then does not depend on how many rows (tree nodes) share the call.
+// y = x @ w^T (+ bias) (+ residual), through poss::linear: with its CPU kernels (bf16 on
+// AVX512-BF16, fp32 on AVX2 + FMA) a row's result does not depend on how many rows (tree nodes)
+// share the call.
 at::Tensor call_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& residual) {
   static auto h = op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,

@@ -55,10 +55,6 @@ inline at::Tensor linear_aten(const at::Tensor& x, const at::Tensor& weight, con
   return out.view(out_shape);
 }
 
-}  // namespace poss
-
-namespace poss {
-
 // The kernel poss::linear uses for `dtype` on this CPU: "avx512-bf16" (bf16 on AVX512-BF16),
 // "avx2-fma" (fp32 on AVX2 + FMA), both row-invariant (csrc/cpu/linear.cpp), or "aten" (the vendor
 // GEMM). POSS_LINEAR=aten, read once, forces the vendor GEMM.
