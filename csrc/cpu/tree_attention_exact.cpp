@@ -34,7 +34,8 @@ namespace poss {
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
-constexpr int64_t W = Vec::size();  // keys per score vector
+constexpr int64_t W = Vec::size();  // keys per score vector (at::vec, 8 on AVX2)
+constexpr int64_t W16 = 16;         // keys per score vector on AVX512F
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Unit {
@@ -59,6 +60,34 @@ void weighted_sum(const float* p, int64_t L, const float* v, float* o) {
   for (int k = 0; k < DV; ++k) acc[k].store(o + k * W);
 }
 
+// Scores of `rows` query rows (stride D) against the kn <= W keys of kt [D, W], into out (row
+// stride ld); four rows share each load of the tile (the per-lane arithmetic is the one-row loop's).
+void scores8(const float* qs, int64_t rows, int64_t D, const float* kt, int64_t kn, float* out, int64_t ld) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    const float* q = qs + r * D;
+    Vec a0(0.0f), a1(0.0f), a2(0.0f), a3(0.0f);
+    for (int64_t d = 0; d < D; ++d) {
+      const Vec kv = Vec::loadu(kt + d * W);
+      a0 = at::vec::fmadd(Vec(q[d]), kv, a0);
+      a1 = at::vec::fmadd(Vec(q[D + d]), kv, a1);
+      a2 = at::vec::fmadd(Vec(q[2 * D + d]), kv, a2);
+      a3 = at::vec::fmadd(Vec(q[3 * D + d]), kv, a3);
+    }
+    float* o = out + r * ld;
+    a0.store(o, static_cast<int>(kn));
+    a1.store(o + ld, static_cast<int>(kn));
+    a2.store(o + 2 * ld, static_cast<int>(kn));
+    a3.store(o + 3 * ld, static_cast<int>(kn));
+  }
+  for (; r < rows; ++r) {
+    const float* q = qs + r * D;
+    Vec acc(0.0f);
+    for (int64_t d = 0; d < D; ++d) acc = at::vec::fmadd(Vec(q[d]), Vec::loadu(kt + d * W), acc);
+    acc.store(out + r * ld, static_cast<int>(kn));
+  }
+}
+
 void weighted_sum_any(const float* p, int64_t L, const float* v, int64_t D, float* o) {
   std::fill(o, o + D, 0.0f);
   for (int64_t j = 0; j < L; ++j) {
@@ -75,7 +104,6 @@ void weighted_sum_any(const float* p, int64_t L, const float* v, int64_t D, floa
 // The same two loops with 16-lane vectors, on CPUs with AVX512F. A lane's arithmetic is the 8-lane
 // loops' (one fused multiply-add per d for a score, per key for an output element, in the same
 // order), so both give the same bits and the choice is only a matter of speed.
-constexpr int64_t W16 = 16;
 
 // Scores of `rows` query rows (stride D) against the kn <= 16 keys of kt [D, 16].
 POSS_AVX512F void scores16(const float* qs, int64_t rows, int64_t D, const float* kt, int64_t kn, float* out,
@@ -146,7 +174,7 @@ struct ExactKernel {
   float scale;
 
   struct Scratch {
-    std::vector<float> qs, kt, scores, v32, acc;
+    std::vector<float> qs, kt, scores, v32, acc, inv_l;
   };
 
   void run(const Unit& u, Scratch& sc) const {
@@ -155,7 +183,6 @@ struct ExactKernel {
     const int64_t L = rq.prefix + u.i1;  // key slots any of these rows can see
     const int64_t Lp = (L + W - 1) / W * W;
     sc.qs.resize(rows * D);
-    sc.kt.resize(D * W);
     sc.scores.resize(rows * Lp);
     sc.acc.resize(rows * D);
     // Rows r = g * nodes + n: query node i0 + n of head h * G + g, scaled once.
@@ -168,58 +195,29 @@ struct ExactKernel {
     const scalar_t* kb = k + rq.b * ks0 + u.h * ks1;
     const scalar_t* vb = v + rq.b * vs0 + u.h * vs1;
 
-    // Scores, W keys at a time: the tile transposed to [D, W] so that a lane is a key; four rows
-    // share each load of the tile (the per-lane arithmetic is the single-row loop's).
+    // Scores, a tile of keys at a time: the tile transposed to [D, width] so that a lane is a key.
+    const int64_t width = has_avx512f() ? W16 : W;
+    sc.kt.resize(D * width);
     float* kt = sc.kt.data();
-#ifdef POSS_EXACT_AVX512
-    if (has_avx512f()) {
-      sc.kt.resize(D * W16);
-      kt = sc.kt.data();
-      for (int64_t s0 = 0; s0 < L; s0 += W16) {
-        const int64_t kn = std::min(W16, L - s0);
-        std::fill(kt, kt + D * W16, 0.0f);
-        for (int64_t c = 0; c < kn; ++c) {
-          const scalar_t* row = kb + (s0 + c) * ks2;
-          for (int64_t d = 0; d < D; ++d) kt[d * W16 + c] = static_cast<float>(row[d]);
-        }
-        scores16(sc.qs.data(), rows, D, kt, kn, sc.scores.data() + s0, Lp);
-      }
-    }
-#endif
-    for (int64_t s0 = 0; s0 < L && !has_avx512f(); s0 += W) {
-      const int64_t kn = std::min(W, L - s0);
-      std::fill(kt, kt + D * W, 0.0f);
+    for (int64_t s0 = 0; s0 < L; s0 += width) {
+      const int64_t kn = std::min(width, L - s0);
+      std::fill(kt, kt + D * width, 0.0f);
       for (int64_t c = 0; c < kn; ++c) {
         const scalar_t* row = kb + (s0 + c) * ks2;
-        for (int64_t d = 0; d < D; ++d) kt[d * W + c] = static_cast<float>(row[d]);
+        for (int64_t d = 0; d < D; ++d) kt[d * width + c] = static_cast<float>(row[d]);
       }
-      int64_t r = 0;
-      for (; r + 4 <= rows; r += 4) {
-        const float* q0r = sc.qs.data() + r * D;
-        Vec a0(0.0f), a1(0.0f), a2(0.0f), a3(0.0f);
-        for (int64_t d = 0; d < D; ++d) {
-          const Vec kv = Vec::loadu(kt + d * W);
-          a0 = at::vec::fmadd(Vec(q0r[d]), kv, a0);
-          a1 = at::vec::fmadd(Vec(q0r[D + d]), kv, a1);
-          a2 = at::vec::fmadd(Vec(q0r[2 * D + d]), kv, a2);
-          a3 = at::vec::fmadd(Vec(q0r[3 * D + d]), kv, a3);
-        }
-        float* out_s = sc.scores.data() + r * Lp + s0;
-        a0.store(out_s, static_cast<int>(kn));
-        a1.store(out_s + Lp, static_cast<int>(kn));
-        a2.store(out_s + 2 * Lp, static_cast<int>(kn));
-        a3.store(out_s + 3 * Lp, static_cast<int>(kn));
+#ifdef POSS_EXACT_AVX512
+      if (width == W16) {
+        scores16(sc.qs.data(), rows, D, kt, kn, sc.scores.data() + s0, Lp);
+        continue;
       }
-      for (; r < rows; ++r) {
-        const float* qr = sc.qs.data() + r * D;
-        Vec acc(0.0f);
-        for (int64_t d = 0; d < D; ++d) acc = at::vec::fmadd(Vec(qr[d]), Vec::loadu(kt + d * W), acc);
-        acc.store(sc.scores.data() + r * Lp + s0, static_cast<int>(kn));
-      }
+#endif
+      scores8(sc.qs.data(), rows, D, kt, kn, sc.scores.data() + s0, Lp);
     }
 
     // Mask, max, exp and the sum of each row.
-    std::vector<float> inv_l(rows);
+    sc.inv_l.resize(rows);
+    float* inv_l = sc.inv_l.data();
     for (int64_t r = 0; r < rows; ++r) {
       const int32_t i = static_cast<int32_t>(u.i0 + r % nodes);
       float* s = sc.scores.data() + r * Lp;
