@@ -39,7 +39,7 @@ DEPTHS = (1, 2, 3, 4, 5, 6)
 # Calibration configs (T, d): every size and every depth timed at least once.
 CALIBRATION = ((1, 0), (4, 1), (8, 2), (16, 3), (32, 4), (60, 5), (60, 6))
 DEFAULT_S, DEFAULT_BETA = 1.0, 0.5
-CACHE_VERSION = 2  # bump when what is measured or its kernels change: old cache files are then ignored
+CACHE_VERSION = 3  # bump when what is measured or its kernels change: old cache files are then ignored
 
 
 @dataclass

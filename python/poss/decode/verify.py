@@ -1,6 +1,6 @@
 """Steps 2 and 3 of a round: verify the tree on the target, then commit what was accepted."""
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -25,6 +25,53 @@ def tree_verify(tree: Tree, logits: Tensor, sampling: Optional[SamplingTensors],
                                     sampling.top_p, uniforms, **extra)
 
 
+# On a CPU the lm_head over all B*N tree rows is compute-bound (SmolLM2, bf16, one core: 19 ms for
+# 60 rows), while a greedy walk needs only the rows on the accepted path: one GEMM of <= B rows per
+# level, each about one pass over the weights (1.8 ms). Below this many rows the full GEMM costs
+# little more than that one pass, so the walk's extra passes do not pay. (bench/bench_lm_head_walk.py)
+LAZY_LM_HEAD_MIN_ROWS = 12
+
+
+def walks_lazily(logits_device: torch.device, rows: int, sampling: Optional[SamplingTensors]) -> bool:
+    """Whether :func:`verify` computes only the walked rows' logits: greedy batches on a CPU, where a
+    level's host sync is free, with at least ``LAZY_LM_HEAD_MIN_ROWS`` tree rows."""
+    return sampling is None and logits_device.type == "cpu" and rows >= LAZY_LM_HEAD_MIN_ROWS
+
+
+def greedy_walk(tree: Tree, row_logits: Callable[[Tensor, Tensor], Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+    """Greedy ``tree_verify`` that asks for a node's logits only when the walk reaches it.
+
+    ``row_logits(requests [R] int64, nodes [R] int64) -> [R, V]`` gives the target's logits at node
+    ``nodes[r]`` of request ``requests[r]``. All requests walk level by level, so each level is one
+    call. Same outputs as ``poss_ext.ops.tree_verify`` (greedy) on the full logits: the lowest token
+    id among tied maxima, children tried in node order.
+    """
+    B, N = tree.tokens.shape
+    dev = tree.tokens.device
+    nodes = torch.full((B, N), -1, dtype=torch.int32, device=dev)
+    nodes[:, 0] = 0
+    acc = torch.zeros(B, dtype=torch.int32, device=dev)
+    nxt = torch.empty(B, dtype=torch.int64, device=dev)
+    node_ids = torch.arange(N, device=dev)
+    req = torch.arange(B, device=dev)
+    cur = torch.zeros(B, dtype=torch.int64, device=dev)
+    while req.numel():
+        logits = row_logits(req, cur)
+        if logits.isnan().any():
+            r = int(logits.isnan().any(1).nonzero()[0, 0])
+            raise ValueError(f"tree_verify: logits[{int(req[r])}, {int(cur[r])}] contains NaN")
+        best = logits.argmax(1)  # torch returns the first maximal index
+        match = ((tree.parents[req] == cur.unsqueeze(1)) & (tree.tokens[req] == best.unsqueeze(1))
+                 & (node_ids > cur.unsqueeze(1)))
+        found = match.any(1)
+        child = torch.where(match, node_ids, N).amin(1)
+        nxt[req[~found]] = best[~found]
+        req, cur = req[found], child[found]
+        acc[req] += 1
+        nodes[req, acc[req].long()] = cur.int()
+    return nodes, acc, nxt
+
+
 @torch.inference_mode()
 def verify(runner, batch: BatchState, tree: Tree, uniforms: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """One target forward over the tree's nodes (at positions ``L + depth``), then ``tree_verify``.
@@ -34,9 +81,14 @@ def verify(runner, batch: BatchState, tree: Tree, uniforms: Optional[Tensor]) ->
     sampling rows are exact for this deterministic draft (see ``poss_ext.ops.tree_verify``).
     """
     positions = batch.length_dev.long().unsqueeze(1) + tree.depth.long()
+    lazy = walks_lazily(runner.device, tree.tokens.numel(), batch.sampling)
     # The generator sized the cache for the whole call, so no per-round capacity check (a host sync).
-    logits, features = runner.forward(tree.tokens, positions, tree.parents, batch.length_dev, check_capacity=False)
-    nodes, acc, nxt = tree_verify(tree, logits, batch.sampling, uniforms)
+    logits, features = runner.forward(tree.tokens, positions, tree.parents, batch.length_dev,
+                                      check_capacity=False, logits=not lazy)
+    if lazy:  # a walked row's logits come from a GEMM of <= B rows, as in a decode step
+        nodes, acc, nxt = greedy_walk(tree, lambda req, node: runner.logits(features[req, node]))
+    else:
+        nodes, acc, nxt = tree_verify(tree, logits, batch.sampling, uniforms)
     return nodes, acc, nxt, features
 
 

@@ -152,9 +152,13 @@ class TargetRunner:
                 k[:B], v[:B], prefix_len, parents, positions, self.inv_freq,
                 self.num_heads, self.num_kv_heads, self.eps)
         features = poss_ext.ops.rms_norm(x, self.final_norm_w, self.eps)
-        return (poss_ext.ops.linear(features, self.lm_head) if logits else None), features
+        return (self.logits(features) if logits else None), features
 
     __call__ = forward
+
+    def logits(self, features: Tensor) -> Tensor:
+        """The lm_head: ``[..., H]`` features -> ``[..., V]`` logits in the runner's dtype."""
+        return poss_ext.ops.linear(features, self.lm_head)
 
     @torch.no_grad()
     def prefill(self, prompts: Sequence[Sequence[int]]) -> Tuple[Tensor, Tensor]:
@@ -182,5 +186,5 @@ class TargetRunner:
         prefix = torch.zeros(B, dtype=torch.int32, device=self.device)
         _, features = self.forward(tokens, positions, parents, prefix, check_capacity=False, logits=False)
         last = torch.tensor([n - 1 for n in lengths], device=self.device)
-        last_logits = poss_ext.ops.linear(features[torch.arange(B, device=self.device), last], self.lm_head)
+        last_logits = self.logits(features[torch.arange(B, device=self.device), last])
         return last_logits, features
