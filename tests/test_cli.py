@@ -309,6 +309,7 @@ def test_eval_bad_inputs(bad, flag, tmp_path, capsys):
     (["--port", "70000"], "--port"), (["--port", "-1"], "--port"), (["--max-batch", "0"], "--max-batch"),
     (["--max-queue", "-1"], "--max-queue"), (["--num-nodes", "0"], "--num-nodes"), (["--threads", "0"], "--threads"),
     (["--target", "nope"], "--target"), (["--draft", "nowhere"], "--draft"),
+    (["--speculate-max-batch", "0"], "--speculate-max-batch"), (["--speculate-max-batch", "never"], "--speculate-max-batch"),
 ])
 def test_serve_bad_inputs(bad, flag, capsys):
     fails(["serve"] + bad, flag, capsys)

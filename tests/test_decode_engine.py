@@ -162,3 +162,47 @@ def test_continuous_backend_events_text_and_refusals(model):
     while backend.has_work():
         evs = backend.step()
     assert evs[-1].id == "c" and evs[-1].stats.completion_tokens == len(gen.generate([prompts[2]], 8, tree=TREE).token_ids[0])
+
+
+def test_batches_over_the_speculation_limit_take_plain_rounds_and_stay_greedy(model):
+    """Three live requests with a limit of 2: plain rounds (one token each) until the short one ends,
+    then the other two speculate again, the draft catching up on the pairs it missed."""
+    gen = make_generator(model, draft=True, n=3, ppl=1, aligned=True)
+    prompts = eval_prompts(1)[:3]
+    budgets = [8, 40, 60]
+    want = [gen.generate([p], n, tree=TREE) for p, n in zip(prompts, budgets)]
+    engine = DecodeEngine(gen, TREE, max_batch=3, speculate_max_batch=2)
+    out, sizes = run(engine, {0: [(i, dict(prompt_ids=p, max_new_tokens=n))
+                                  for i, (p, n) in enumerate(zip(prompts, budgets))]})
+    assert sizes[0] == 3
+    for i, w in enumerate(want):
+        assert out[i][0] == w.token_ids[0], f"request {i}"
+    short = out[0][1].stats.accept_hist
+    assert sum(short) == budgets[0] - 1 and sum(short[1:]) == 0  # only plain rounds while 3 were live
+    hists = [out[i][1].stats.accept_hist for i in (1, 2)]
+    assert all(h[0] >= budgets[0] - 1 for h in hists)
+    assert any(sum(h[1:]) for h in hists)  # then speculation resumed
+
+
+@pytest.mark.parametrize("bad", [0, -1, "sometimes", 2.5])
+def test_bad_speculation_limit_is_a_clear_error(model, bad):
+    gen = make_generator(model, draft=True, n=3, ppl=1, aligned=True)
+    with pytest.raises(ValueError, match="speculate_max_batch"):
+        DecodeEngine(gen, TREE, speculate_max_batch=bad)
+
+
+def test_batch_limit_is_the_last_size_where_the_tree_still_wins():
+    from poss.decode.autotune import batch_limit
+
+    assert batch_limit({2: (10.0, 12.0), 4: (20.0, 21.0), 8: (30.0, 25.0), 16: (40.0, 50.0)}) == 4
+    assert batch_limit({2: (10.0, 9.0), 4: (20.0, 30.0)}) == 1
+    assert batch_limit({2: (10.0, 12.0), 4: (20.0, 21.0)}) is None
+
+
+def test_measure_batches_times_both_round_kinds_at_each_size(model):
+    from poss.decode.autotune import measure_batches
+
+    gen = make_generator(model, draft=True, n=3, ppl=1, aligned=True)
+    got = measure_batches(gen, TREE, eval_prompts(1)[0], batches=(2, 3), new_tokens=6)
+    assert sorted(got) == [2, 3] and all(ar > 0 and spec > 0 for ar, spec in got.values())
+    assert gen.profile is None and gen.end_ids == make_generator(model).end_ids  # left as it was

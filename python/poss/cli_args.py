@@ -54,17 +54,18 @@ def int_at_least(low: int, high: Optional[int] = None):
     return parse
 
 
-def int_or_auto(low: int, high: Optional[int] = None):
-    """An ``int_at_least(low, high)`` that also takes the word ``auto`` (kept as the string)."""
+def int_or_auto(low: int, high: Optional[int] = None, words: Tuple[str, ...] = ("auto",)):
+    """An ``int_at_least(low, high)`` that also takes the word ``auto`` (or any of ``words``; kept as
+    the string)."""
     number = int_at_least(low, high)
 
     def parse(text: str):
-        if text == "auto":
-            return "auto"
+        if text in words:
+            return text
         try:
             return number(text)
         except argparse.ArgumentTypeError as e:
-            raise argparse.ArgumentTypeError(f"{e} or 'auto'") from None
+            raise argparse.ArgumentTypeError(f"{e} or {' or '.join(repr(w) for w in words)}") from None
 
     parse.__name__ = "int or auto"
     return parse

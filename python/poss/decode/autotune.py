@@ -251,6 +251,72 @@ def calibrate(gen, n_prompts: int = 1, new_tokens: int = 32, refresh: bool = Fal
     return cal
 
 
+# -- batch size: where speculation stops paying -------------------------------------------------------
+BATCHES = (2, 4, 8, 16)
+
+
+def measure_batches(gen, tree: TreeParams, prompt: Sequence[int], batches: Sequence[int] = BATCHES,
+                    new_tokens: int = 16) -> Dict[int, Tuple[float, float]]:
+    """Tokens/s of the decode rounds of ``B`` copies of ``prompt`` (greedy): ``{B: (root-only rounds,
+    tree rounds)}``. A tree round's cost grows with ``B * num_nodes`` rows while a decode step's barely
+    grows with ``B``, so on a CPU speculation loses from some batch size on."""
+    saved_end, saved_profile = gen.end_ids, gen.profile
+    gen.end_ids = set()
+    out = {}
+    try:
+        for B in batches:
+            rates = []
+            for T, d in ((1, 0), (tree.num_nodes, tree.depth)):
+                gen.generate([prompt] * B, 2, num_nodes=T, depth=d, beam_width=tree.beam_width)  # warm-up
+                gen.profile = {}
+                res = gen.generate([prompt] * B, new_tokens, num_nodes=T, depth=d, beam_width=tree.beam_width)
+                seconds = sum(sum(v) for v in gen.profile.values())
+                rates.append(sum(s.tokens - 1 for s in res.stats) / max(seconds, 1e-9))
+            out[B] = (rates[0], rates[1])
+    finally:
+        gen.end_ids, gen.profile = saved_end, saved_profile
+    return out
+
+
+def batch_limit(tok_s: Dict[int, Tuple[float, float]]) -> Optional[int]:
+    """The largest batch size up to which tree rounds are at least as fast as root-only rounds at every
+    measured size (1 if they lose from the smallest); None when they win at every measured size."""
+    limit = 1
+    for B in sorted(tok_s):
+        ar, spec = tok_s[B]
+        if spec < ar:
+            return limit
+        limit = B
+    return None
+
+
+def speculation_limit(gen, tree: TreeParams, max_batch: Optional[int] = None, refresh: bool = False,
+                      cache: bool = True) -> Optional[int]:
+    """:func:`batch_limit` of ``gen`` with ``tree`` over the :data:`BATCHES` up to ``max_batch`` (and
+    ``max_batch`` itself), measured once (seconds) and cached like the calibration; None (no limit)
+    when ``tree`` does not speculate or ``max_batch`` is 1."""
+    if gen.draft is None or tree.depth == 0 or tree.num_nodes == 1 or max_batch == 1:
+        return None
+    batches = sorted({b for b in BATCHES if max_batch is None or b < max_batch} | ({max_batch} - {None}))
+    key = {**cache_key(gen), "batch_limit_for": [tree.num_nodes, tree.depth, tree.beam_width], "batches": batches}
+    path = cache_path(key)
+    if cache and not refresh and path.exists():
+        try:
+            return json.loads(path.read_text())["limit"]
+        except (ValueError, KeyError, TypeError):
+            pass
+    prompts = [gen.encode(t) for t in calibration_prompts(1)] if gen.tokenizer is not None else None
+    if not prompts:
+        raise ValueError("measuring the batch limit needs a prompt (this generator has no tokenizer)")
+    tok_s = measure_batches(gen, tree, prompts[0], batches)
+    limit = batch_limit(tok_s)
+    if cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"key": key, "tokens_per_s": {B: list(v) for B, v in tok_s.items()},
+                                    "limit": limit}, indent=1))
+    return limit
+
+
 def auto_tree(gen, beam_width: int = 10, **calibrate_kw) -> TreeParams:
     """``TreeParams`` for ``gen`` maximising expected tokens/s (root-only when there is no draft)."""
     if gen.draft is None:

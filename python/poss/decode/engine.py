@@ -84,16 +84,31 @@ class DecodeEngine:
         tree: the draft tree of every round: a :class:`TreeParams`, ``"auto"``, or None for the
             generator's ``default_tree``.
         max_batch: most requests decoded together (None: no bound); more wait in :meth:`pending`.
+        speculate_max_batch: speculate only while at most this many requests are live; larger batches
+            take plain decoding rounds (one token each, no draft), since a tree round's cost grows with
+            batch x tree rows. ``"auto"``: measured once on this machine
+            (:func:`poss.decode.autotune.speculation_limit`); None: always speculate. Greedy output is
+            the same either way; a seeded sampled request then gives the same tokens only under the
+            same load (its uniforms are drawn per round, and the round type depends on the batch).
     """
 
-    def __init__(self, generator, tree: Union[TreeParams, str, None] = None, max_batch: Optional[int] = None):
+    def __init__(self, generator, tree: Union[TreeParams, str, None] = None, max_batch: Optional[int] = None,
+                 speculate_max_batch: Union[int, str, None] = None):
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if not (speculate_max_batch in (None, "auto") or (isinstance(speculate_max_batch, int)
+                                                         and speculate_max_batch >= 1)):
+            raise ValueError(f"speculate_max_batch must be an int >= 1, 'auto' or None, got {speculate_max_batch!r}")
         self.gen = generator
         self.tree = generator.resolve_tree(tree)
         self.max_batch = max_batch
         t = self.tree
         self.speculate = generator.draft is not None and t.depth >= 1 and t.num_nodes > 1
+        if speculate_max_batch == "auto":
+            from poss.decode.autotune import speculation_limit
+
+            speculate_max_batch = speculation_limit(generator, t, max_batch) if self.speculate else None
+        self.speculate_max_batch = speculate_max_batch
         self.depth = t.depth if self.speculate else 0
         # Slots past a request's text that one round can touch: its tree and the draft's catch-up.
         self.slack = t.num_nodes + t.beam_width * self.depth + self.depth + 8
@@ -173,7 +188,9 @@ class DecodeEngine:
         batch = self.batch
         if batch is not None and batch.size:
             t = self.tree
-            rows = self.gen.round(batch, t.num_nodes, self.depth, t.beam_width,
+            # A plain round leaves the draft behind; its next round catches up on the pairs it missed.
+            spec = self.speculate and (self.speculate_max_batch is None or batch.size <= self.speculate_max_batch)
+            rows = self.gen.round(batch, t.num_nodes if spec else 1, self.depth if spec else 0, t.beam_width,
                                   uniforms=self._uniforms(batch.requests))
             before = [len(r.generated) for r in batch.requests]
             self.gen.apply_round(batch, rows, lambda r: self._live[r.index].stopper)

@@ -123,9 +123,11 @@ class ContinuousBackend(Backend):
         generator: the loaded :class:`~poss.decode.generator.Generator` (the backend owns its caches).
         max_batch: requests decoded together.
         tree: a :class:`~poss.decode.params.TreeParams`, or None for the default tree.
+        speculate_max_batch: speculate only while at most this many requests are live (an int,
+            ``"auto"`` or None: see :class:`~poss.decode.engine.DecodeEngine`).
     """
 
-    def __init__(self, generator, max_batch: int = 8, tree=None):
+    def __init__(self, generator, max_batch: int = 8, tree=None, speculate_max_batch=None):
         from poss.decode.engine import DecodeEngine
 
         if max_batch < 1:
@@ -135,7 +137,7 @@ class ContinuousBackend(Backend):
         self.context_limit = int(generator.context_limit)
         tok = generator.tokenizer
         self.vocab_size = len(tok) if tok is not None else None  # prompt token ids must be below it
-        self.engine = DecodeEngine(generator, tree, max_batch=max_batch)
+        self.engine = DecodeEngine(generator, tree, max_batch=max_batch, speculate_max_batch=speculate_max_batch)
         self.speculative = self.engine.speculate
         self._reqs: Dict[int, _Running] = {}  # engine id -> request, until its final event
         self._ids: Dict[str, int] = {}  # request id -> engine id

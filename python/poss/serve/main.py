@@ -41,6 +41,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int_or_auto(0), default="auto", help="draft positions below the root")
     p.add_argument("--beam-width", "--top-k-draft", dest="beam_width", type=int_at_least(1), default=10,
                    help="draft candidates kept per tree level")
+    p.add_argument("--speculate-max-batch", type=int_or_auto(1, words=("auto", "off")), default="auto",
+                   help="speculate only while at most this many requests are live; larger batches decode "
+                        "plainly (auto: measured once on this machine; off: always speculate)")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level")
     return p
@@ -82,14 +85,22 @@ def run_serve(args) -> int:
         print(f"poss serve: {exc}", file=sys.stderr)
         return 2
     name = args.served_model_name or model_name(args.target)
-    backend = ContinuousBackend(gen, max_batch=args.max_batch, tree=tree)
+    limit = None if args.speculate_max_batch == "off" else args.speculate_max_batch
+    try:
+        backend = ContinuousBackend(gen, max_batch=args.max_batch, tree=tree, speculate_max_batch=limit)
+    except ValueError as exc:
+        print(f"poss serve: {exc}", file=sys.stderr)
+        return 2
     engine = Engine(backend, max_queue=args.max_queue, metrics=Metrics(max_tau=max(tree.depth + 1, 1)))
     info = {"target": str(args.target), "draft": str(draft) if draft else None, "context_limit": backend.context_limit,
-            "max_batch": args.max_batch, "num_nodes": tree.num_nodes, "depth": tree.depth}
+            "max_batch": args.max_batch, "num_nodes": tree.num_nodes, "depth": tree.depth,
+            "speculate_max_batch": backend.engine.speculate_max_batch if backend.speculative else 0}
     url = f"http://{args.host}:{args.port}/v1"
 
     def started():
-        print(f"poss serve: {name} at {url} (draft: {draft or 'none'}; max batch {args.max_batch}); "
+        spec = info["speculate_max_batch"]
+        spec = "never" if spec == 0 else "always" if spec is None else f"up to batch {spec}"
+        print(f"poss serve: {name} at {url} (draft: {draft or 'none'}, speculating {spec}; max batch {args.max_batch}); "
               "Ctrl-C stops", file=sys.stderr, flush=True)
 
     app = create_app(engine, name, default_max_tokens=args.default_max_tokens, max_body=args.max_body,
