@@ -105,3 +105,42 @@ def test_eval_bad_arguments(bad, msg, tmp_path, capsys):
 
     assert main(["eval", "--out", str(tmp_path)] + bad) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_merge_two_runs_and_a_question_range(tiny_folder, tmp_path):
+    """scripts/eval_merge.py: two runs over different sets make one report; ``--questions`` keeps a
+    range of positions per set; runs with different settings are refused."""
+    import importlib.util
+    from pathlib import Path
+
+    from poss.cli import main
+    from poss.data.eval_sets import load_eval_set
+
+    spec = importlib.util.spec_from_file_location("eval_merge", Path(__file__).parents[1] / "scripts" / "eval_merge.py")
+    em = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(em)
+    torch.set_num_threads(1)
+
+    def run(sets, out, new=6):
+        assert main(["eval", "--target", str(tiny_folder / "target"), "--drafts", str(tiny_folder / "eagle"),
+                     "--datasets", sets, "--limit", "3", "--turns", "1", "--max-new-tokens", str(new),
+                     "--num-nodes", "6", "--depth", "2", "--beam-width", "3", "--out", str(out)]) == 0
+
+    run("alpaca", tmp_path / "a")  # sets whose first questions fit the tiny model's 256-token context
+    run("qa", tmp_path / "b")
+    res = em.merge([tmp_path / "a", tmp_path / "b"], tmp_path / "all")
+    assert sorted(res["methods"]["eagle"]["datasets"]) == ["alpaca", "qa"]
+    alone = json.loads((tmp_path / "a" / "results.json").read_text())
+    same = json.dumps  # NaN-aware equality (pos-acc is NaN at depths no round reached)
+    assert same(res["methods"]["eagle"]["datasets"]["alpaca"]) == same(alone["methods"]["eagle"]["datasets"]["alpaca"])
+    assert res["methods"]["eagle"]["identical"] == [6, 6] and (tmp_path / "all" / "draft-eagle.json").exists()
+
+    part = em.merge([tmp_path / "a", tmp_path / "b"], tmp_path / "part", questions=(1, 3))
+    kept = {(json.loads(line)["dataset"], json.loads(line)["question_id"])
+            for line in (tmp_path / "part" / "records.jsonl").read_text().splitlines()}
+    want = {(ds, r["question_id"]) for ds in ("alpaca", "qa") for r in load_eval_set(ds)[1:3]}
+    assert kept == want and part["methods"]["ar"]["overall"]["questions"] == 4
+
+    run("qa", tmp_path / "c", new=4)
+    with pytest.raises(SystemExit, match="settings differ"):
+        em.merge([tmp_path / "a", tmp_path / "c"], tmp_path / "bad")

@@ -1,0 +1,78 @@
+"""Merge ``poss eval`` folders (e.g. one process per group of sets) into one report.
+
+    python scripts/eval_merge.py --out runs/eval runs/eval-a runs/eval-b
+    python scripts/eval_merge.py --out runs/eval-31-80 --questions 30:80 runs/eval-a runs/eval-b
+
+Every input folder holds ``records.jsonl`` and the ``results.json`` its run wrote; their settings and
+machine must agree. ``--questions A:B`` keeps the questions at positions ``A .. B-1`` of each packaged
+set (0-based, in the set's order), for a table over a subset, e.g. the questions one run timed.
+The output folder gets the merged ``records.jsonl``, the drafts' ``draft-*.json`` and the report
+(``results.json``, ``table.md``, plots) of ``poss.eval.report.write``.
+"""
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+
+def question_positions(dataset: str):
+    """question_id -> position in the packaged set (None for a custom set)."""
+    from poss.data.eval_sets import EVAL_SETS, load_eval_set
+
+    if dataset not in EVAL_SETS:
+        return None
+    return {r["question_id"]: i for i, r in enumerate(load_eval_set(dataset))}
+
+
+def merge(inputs, out: Path, questions=None) -> dict:
+    from poss.eval.report import write
+
+    runs = [json.loads((Path(d) / "results.json").read_text()) for d in inputs]
+    for key in ("settings", "machine"):
+        if any(r[key] != runs[0][key] for r in runs[1:]):
+            sys.exit(f"eval_merge: the inputs' {key} differ: {[r[key] for r in runs]}")
+    out.mkdir(parents=True, exist_ok=True)
+    positions, seen, kept = {}, set(), []
+    for d in inputs:
+        for line in (Path(d) / "records.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            key = (r["method"], r["dataset"], r["question_id"])
+            if key in seen:
+                continue
+            if questions is not None:
+                pos = positions.setdefault(r["dataset"], question_positions(r["dataset"]))
+                if pos is None or not questions[0] <= pos[r["question_id"]] < questions[1]:
+                    continue
+            seen.add(key)
+            kept.append(line)
+        for p in Path(d).glob("draft-*.json"):
+            shutil.copy(p, out / p.name)
+    (out / "records.jsonl").write_text("\n".join(kept) + "\n")
+    s, m = runs[0]["settings"], runs[0]["machine"]
+    return write(out, s["depth"], s, m["threads"], m["dtype"])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("inputs", nargs="+", help="poss eval --out folders")
+    ap.add_argument("--out", required=True, help="the merged folder")
+    ap.add_argument("--questions", default=None, metavar="A:B", help="keep question positions A..B-1 of each set")
+    args = ap.parse_args(argv)
+    questions = None
+    if args.questions:
+        try:
+            a, b = (int(x) for x in args.questions.split(":"))
+        except ValueError:
+            ap.error(f"--questions: expected A:B with integers, got {args.questions!r}")
+        if not 0 <= a < b:
+            ap.error(f"--questions: expected 0 <= A < B, got {args.questions!r}")
+        questions = (a, b)
+    merge(args.inputs, Path(args.out), questions)
+    print((Path(args.out) / "table.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
