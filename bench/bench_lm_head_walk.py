@@ -75,15 +75,17 @@ def e2e(threads: int, prompts: int = 3, new: int = 96, trees=((60, 6), (16, 4)),
     print(f"\n{prompts} MT-Bench prompts x {new} tokens, PosS-2, batch 1, {repeats} interleaved repeats\n")
     print("| tree | lm_head | tok/s | draft ms | verify ms | tau |\n|---|---|---|---|---|---|")
     seen = {}
-    for _ in range(repeats):
-        for T, d in trees:
-            for walk in (True, False):
-                verify.LAZY_LM_HEAD_MIN_ROWS = default if walk else 1 << 30
-                r = ours(gen, ids, new, "", TreeParams(num_nodes=T, depth=d))
-                assert seen.setdefault(T, r["token_ids"]) == r["token_ids"], "the walk changed the output"
-                print(f"| {T}/{d} | {'walked rows' if walk else 'all rows'} | {r['tokens_per_s']:.1f} | "
-                      f"{r['round_ms']['draft']:.1f} | {r['round_ms']['verify']:.1f} | {r['tau']:.2f} |")
-    verify.LAZY_LM_HEAD_MIN_ROWS = default
+    try:
+        for _ in range(repeats):
+            for T, d in trees:
+                for walk in (True, False):
+                    verify.LAZY_LM_HEAD_MIN_ROWS = default if walk else 1 << 30  # 1 << 30: never walk
+                    r = ours(gen, ids, new, "", TreeParams(num_nodes=T, depth=d))
+                    assert seen.setdefault(T, r["token_ids"]) == r["token_ids"], "the walk changed the output"
+                    print(f"| {T}/{d} | {'walked rows' if walk else 'all rows'} | {r['tokens_per_s']:.1f} | "
+                          f"{r['round_ms']['draft']:.1f} | {r['round_ms']['verify']:.1f} | {r['tau']:.2f} |")
+    finally:
+        verify.LAZY_LM_HEAD_MIN_ROWS = default
 
 
 def main() -> None:
