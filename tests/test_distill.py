@@ -102,6 +102,27 @@ def test_resume_skips_done_keys_and_refuses_another_recipe(model, tmp_path):
         distill(gen, convs, tmp_path, n_train=4, n_val=0, batch_size=2, max_new_tokens=7, progress=False)
 
 
+def test_more_prompts_extend_the_data_set_and_fewer_are_refused(model, tmp_path):
+    gen = make_generator(model)
+    gen.encode = encoder()
+    convs = conversations(12)
+    distill(gen, convs, tmp_path, n_train=3, n_val=1, batch_size=2, max_new_tokens=5, progress=False)
+    first = {r["key"]: r for r in read_records(tmp_path)}
+    calls = []
+    real = gen.generate
+    gen.generate = lambda prompts, **kw: calls.append(len(prompts)) or real(prompts, **kw)
+    meta = distill(gen, convs, tmp_path, n_train=6, n_val=1, batch_size=4, max_new_tokens=5, progress=False)
+    assert calls == [3]  # only the three new training prompts
+    recs = {r["key"]: r for r in read_records(tmp_path)}
+    assert sorted(k for k in recs if recs[k]["split"] == "train") == list(range(6))
+    assert all(recs[k] == first[k] for k in first)  # the old records stay as they were
+    assert meta["recipe"]["n_train"] == 6
+    _, train = select_prompts(convs, encoder(), 6, 1, seed=0, max_prompt_tokens=384)
+    assert [recs[k]["source_index"] for k in range(6)] == [i for i, _ in train]
+    with pytest.raises(ValueError, match="fewer than the 6"):
+        distill(gen, convs, tmp_path, n_train=5, n_val=1, batch_size=2, max_new_tokens=5, progress=False)
+
+
 def test_meta_records_dtype(model, tmp_path):
     gen = make_generator(model)
     gen.encode = encoder()

@@ -105,8 +105,14 @@ def distill(gen, conversations, out, n_train: int, n_val: int = 100, batch_size:
               "seed": seed, "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
               "n_train": len(train), "n_val": len(val), "prompt_source": "sharegpt first user turn, English",
               "decoding": "greedy"}
-    if meta.get("recipe", recipe) != recipe:
+    kept_recipe = meta.get("recipe", recipe)
+    # The selection is a prefix of one seeded order, so asking for more training prompts extends the
+    # data set; any other difference would mix two recipes in one folder.
+    if {**kept_recipe, "n_train": 0} != {**recipe, "n_train": 0}:
         raise ValueError(f"{out} holds a data set made with another recipe ({meta['recipe']}); use a new --out")
+    if len(train) < kept_recipe["n_train"]:
+        raise ValueError(f"--prompts {len(train)} is fewer than the {kept_recipe['n_train']} training prompts "
+                         f"{out} was made for; pass at least that many to resume it")
     gen.keep_features = True
     stats = meta.get("throughput", {"answer_tokens": 0, "seconds": 0.0})
     bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="distill", unit="prompt", disable=not progress,
