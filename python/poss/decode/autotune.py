@@ -260,8 +260,8 @@ def measure_batches(gen, tree: TreeParams, prompt: Sequence[int], batches: Seque
     """Tokens/s of the decode rounds of ``B`` copies of ``prompt`` (greedy): ``{B: (root-only rounds,
     tree rounds)}``. A tree round's cost grows with ``B * num_nodes`` rows while a decode step's barely
     grows with ``B``, so on a CPU speculation loses from some batch size on."""
-    saved_end, saved_profile = gen.end_ids, gen.profile
-    gen.end_ids = set()
+    saved_end, saved_profile, saved_limit = gen.end_ids, gen.profile, gen.speculate_max_batch
+    gen.end_ids, gen.speculate_max_batch = set(), None  # time the tree rounds even where they lose
     out = {}
     try:
         for B in batches:
@@ -274,7 +274,7 @@ def measure_batches(gen, tree: TreeParams, prompt: Sequence[int], batches: Seque
                 rates.append(sum(s.tokens - 1 for s in res.stats) / max(seconds, 1e-9))
             out[B] = (rates[0], rates[1])
     finally:
-        gen.end_ids, gen.profile = saved_end, saved_profile
+        gen.end_ids, gen.profile, gen.speculate_max_batch = saved_end, saved_profile, saved_limit
     return out
 
 

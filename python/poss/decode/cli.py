@@ -23,6 +23,9 @@ def add_arguments(p: argparse.ArgumentParser, chat: bool) -> None:
     """The generate / chat options (torch is not imported here, so ``--help`` stays fast)."""
     if not chat:
         p.add_argument("--prompt", action="append", required=True, help="a user message (repeat for a batch)")
+        p.add_argument("--speculate-max-batch", type=int_or_auto(1, words=("auto", "off")), default="auto",
+                       help="speculate only while at most this many prompts are live; larger batches decode "
+                            "plainly (auto: measured once on this machine; off: always speculate)")
     p.add_argument("--target", default="smollm2-135m", help=target_help())
     p.add_argument("--draft", default=None,
                    help="PosS draft folder (config.json + model.safetensors); default: the one shipped for the target")
@@ -87,7 +90,9 @@ def _load(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    return load(args.target, draft=chosen_draft(args, "poss"), dtype=resolve_dtype(args.dtype, "cpu"), compile=args.compile)
+    limit = getattr(args, "speculate_max_batch", "auto")  # chat has one conversation: no flag
+    return load(args.target, draft=chosen_draft(args, "poss"), dtype=resolve_dtype(args.dtype, "cpu"), compile=args.compile,
+                speculate_max_batch=None if limit == "off" else limit)
 
 
 def _speed_line(stats) -> str:

@@ -82,6 +82,12 @@ class Generator:
         # first use by timing this machine (autotune; cached on disk) and then kept per beam width.
         self.default_tree: Union[TreeParams, str] = TreeParams()
         self._auto_trees: Dict[int, TreeParams] = {}
+        # Speculate only while at most this many requests of a call are live; larger batches decode
+        # plainly (on a CPU a tree round's cost grows with batch x nodes, a decode step's barely).
+        # An int >= 1, "auto" (poss.load's default: measured once per machine and tree, cached on
+        # disk; autotune.speculation_limit) or None (always speculate).
+        self.speculate_max_batch: Union[int, str, None] = None
+        self._limits: Dict[tuple, Optional[int]] = {}
 
     # -- prompts ---------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> List[int]:
@@ -167,6 +173,23 @@ class Generator:
             self._auto_trees[beam_width] = TreeParams.auto(self, beam_width=beam_width)
         return self._auto_trees[beam_width]
 
+    def batch_limit(self, tree: TreeParams) -> Optional[int]:
+        """The batch size above which a call's rounds do not speculate (None: no limit), from
+        :attr:`speculate_max_batch`; ``"auto"`` is measured on first use and kept per tree."""
+        limit = self.speculate_max_batch
+        if limit is None or limit == "auto" and self.draft is None:
+            return None
+        if limit == "auto":
+            key = (tree.num_nodes, tree.depth, tree.beam_width)
+            if key not in self._limits:
+                from poss.decode.autotune import speculation_limit
+
+                self._limits[key] = speculation_limit(self, tree)
+            return self._limits[key]
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"speculate_max_batch must be an int >= 1, 'auto' or None, got {limit!r}")
+        return limit
+
     def _requests(self, prompts, max_new_tokens: int, sampling: Sequence[SamplingParams]) -> List[Request]:
         if len(prompts) == 0:
             raise ValueError("no prompts given")
@@ -201,6 +224,7 @@ class Generator:
             return
         speculate = self.draft is not None and tree.depth >= 1 and tree.num_nodes > 1
         depth = tree.depth if speculate else 0
+        limit = self.batch_limit(tree) if speculate and len(reqs) > 1 else None
         for r in reqs:
             r.accept_hist = [0] * (depth + 1)
         stopper = Stopper(self.end_ids, stop, self.decode if self.tokenizer is not None else None)
@@ -226,7 +250,9 @@ class Generator:
         self._keep_features(batch)
         batch.drop_finished(caches)
         while batch.size:
-            rows = self.round(batch, tree.num_nodes, depth, tree.beam_width)
+            # A plain round leaves the draft behind; its next tree round catches up on the pairs it missed.
+            spec = limit is None or batch.size <= limit
+            rows = self.round(batch, tree.num_nodes if spec else 1, depth if spec else 0, tree.beam_width)
             t = time.perf_counter()
             self.apply_round(batch, rows, lambda r: stopper)
             self._finish_times(batch.requests, start)

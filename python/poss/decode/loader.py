@@ -11,7 +11,8 @@ from poss.decode.params import TreeParams
 
 def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, Path]] = None,
          dtype: Union[str, torch.dtype] = "auto", device="cpu", context_limit: Optional[int] = None,
-         tree: Union[TreeParams, str] = "auto", compile: bool = False) -> Generator:
+         tree: Union[TreeParams, str] = "auto", compile: bool = False,
+         speculate_max_batch: Union[int, str, None] = "auto") -> Generator:
     """Load the target offline and, when ``draft`` is a PosS draft folder, attach it.
 
     With ``draft=None`` the generator decodes autoregressively on the same runner (the baseline);
@@ -21,7 +22,10 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
     is used as given. ``tree``: the generator's ``default_tree``: ``"auto"`` (the default) sizes the
     draft tree for this machine, dtype and draft on the first call that needs it (timed once, about a
     minute on a small CPU, then cached on disk; :meth:`TreeParams.auto`), or a fixed
-    :class:`TreeParams`. ``compile``: :func:`compile_steps` (off by default: on the development CPU it
+    :class:`TreeParams`. ``speculate_max_batch``: the generator's
+    :attr:`~Generator.speculate_max_batch`: calls with more live requests decode plainly; ``"auto"``
+    (the default) measures where tree rounds stop paying on this machine (once, cached on disk), None
+    always speculates. ``compile``: :func:`compile_steps` (off by default: on the development CPU it
     bought 2-8 % for ~30 s of compilation, see docs/benchmarks.md). Raises ``ValueError`` when the draft was trained for a different target.
     """
     from poss.hardware import resolve_dtype
@@ -40,6 +44,7 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
     gen = Generator(runner, tokenizer=tokenizer, draft=d, context_limit=context_limit, target_path=path,
                     generation_config=getattr(model, "generation_config", None))
     gen.default_tree = tree
+    gen.speculate_max_batch = speculate_max_batch
     return compile_steps(gen) if compile else gen
 
 
