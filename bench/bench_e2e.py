@@ -110,23 +110,26 @@ def llama_cpp_rows(gguf: Path, prompts: Sequence[List[int]], new: int, threads: 
     return rows
 
 
-def batch_row(gen, prompts: Sequence[List[int]], new: int, batch: int, name: str, tree=None, kind="ours") -> Dict:
-    """``batch`` requests decoded together (``gen.generate`` on a list); tokens/s over all of them."""
+def batch_row(gen, prompts: Sequence[List[int]], new: int, batch: int, name: str, tree=None, kind="ours",
+              limit=None) -> Dict:
+    """``batch`` requests decoded together (``gen.generate`` on a list); tokens/s over all of them.
+    ``limit``: the generator's ``speculate_max_batch`` for the row (None: speculate at any size)."""
     from poss.decode.params import TreeParams
 
     tree = tree or TreeParams(num_nodes=1, depth=0)
-    saved = gen.end_ids
-    gen.end_ids = set()
+    saved = gen.end_ids, gen.speculate_max_batch
+    gen.end_ids, gen.speculate_max_batch = set(), limit
     try:
         gen.generate(list(prompts[:batch]), 4, tree=tree)  # warm-up at this batch size
         t = time.perf_counter()
         res = gen.generate(list(prompts[:batch]), new, tree=tree)
         wall = time.perf_counter() - t
+        resolved = gen.batch_limit(tree) if limit is not None else None
     finally:
-        gen.end_ids = saved
+        gen.end_ids, gen.speculate_max_batch = saved
     rounds = max(s.rounds for s in res.stats)
     return _row(name, kind, res.token_ids, wall, tree=f"{tree.num_nodes}/{tree.depth}", batch=batch, rounds=rounds,
-                tau=sum(s.tau for s in res.stats) / len(res.stats))
+                tau=sum(s.tau for s in res.stats) / len(res.stats), speculate_max_batch=resolved)
 
 
 def compiled_rows(gen, prompts, new: int, draft_name: str, auto: Optional[Dict], log=print) -> List[Dict]:
@@ -248,8 +251,14 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
         if folder is not None and sweep_draft in out["auto"]:
             T, d = (int(x) for x in out["auto"][sweep_draft]["tree"].split("/"))
             gen.draft = PosSDraft.load(folder, dtype=dt).attach(gen.runner, 1, 256)
-            rows.append(batch_row(gen, batch_prompts, new, B, f"{sweep_draft} auto (= {T}/{d}), batch {B}",
-                                  TreeParams(num_nodes=T, depth=d), "draft"))
+            tree = TreeParams(num_nodes=T, depth=d)
+            rows.append(batch_row(gen, batch_prompts, new, B, f"{sweep_draft} auto (= {T}/{d}), batch {B}", tree,
+                                  "draft"))
+            log(f"  {rows[-1]['name']}: {rows[-1]['tokens_per_s']:.1f} tok/s")
+            # What poss.load gives: plain rounds above the measured batch limit.
+            rows.append(batch_row(gen, batch_prompts, new, B, f"{sweep_draft} auto, batch {B}, speculation limit auto",
+                                  tree, "draft", limit="auto"))
+            rows[-1]["name"] += f" (= {rows[-1]['speculate_max_batch']})"
             log(f"  {rows[-1]['name']}: {rows[-1]['tokens_per_s']:.1f} tok/s")
     gen.draft = None
     if compiled:

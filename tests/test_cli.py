@@ -280,6 +280,7 @@ def test_chat_message_over_the_context_is_reported_and_dropped(capsys):
     (["--lr", "-1"], "--lr"), (["--draft-vocab", "-5"], "--draft-vocab"), (["--max-len", "0"], "--max-len"),
     (["--positions-per-specialist", "0"], "--positions-per-specialist"), (["--threads", "0"], "--threads"),
     (["--target", "nope"], "--target"), (["--init-from", "nowhere"], "--init-from"), (["--data", "nowhere"], "--data"),
+    (["--train-start", "-1"], "--train-start"), (["--train-start", "5"], "--train-start"),  # the latter without --data
 ])
 def test_train_bad_inputs(bad, flag, tmp_path, capsys):
     fails(["train", "--out", str(tmp_path / "run")] + bad, flag, capsys)

@@ -147,3 +147,32 @@ def test_features_rebuild_from_the_token_ids_alone(model, tmp_path):
     a, b = FeatureCache(tmp_path / "a" / "features" / "rank0"), FeatureCache(tmp_path / "b" / "features" / "rank0")
     for r in read_records(tmp_path / "a"):
         torch.testing.assert_close(b.get(r["key"]).float(), a.get(r["key"]).float(), atol=2e-3, rtol=2e-3)
+
+
+def test_training_from_a_later_answer_reads_that_answers_features(model, tmp_path):
+    """``--train-start``: the examples and their feature-cache keys move together."""
+    from poss.train.dataset import distilled_dataset
+    from poss.train.features import OnlineFeatures
+    from poss.train.loop import TrainConfig, Trainer
+
+    gen = make_generator(model)
+    gen.encode = encoder()
+    distill(gen, conversations(12), tmp_path, n_train=5, n_val=1, batch_size=3, max_new_tokens=5, progress=False)
+    fp = gen.runner.fingerprint()
+    full = distilled_dataset(tmp_path, fp, 0, 10, 1)
+    part = distilled_dataset(tmp_path, fp, 0, 2, 1, train_start=2)
+    assert part.train_ids == [2, 3] and part.info["train_start"] == 2 and part.info["train_size"] == 2
+    assert [e.input_ids.tolist() for e in part.train] == [e.input_ids.tolist() for e in full.train[2:4]]
+    cfg = TrainConfig(method="eagle2", epochs=1, batch_size=2, lr=1e-3, autocast="none")
+    tr = Trainer(gen.runner, cfg, part.train, part.val, tmp_path / "run", feature_cache=part.feature_cache,
+                 progress_bar=False, train_ids=part.train_ids)
+    seen, cached = [], tr.features
+    tr.features = lambda ids, lengths, keys: seen.append((keys, cached(ids, lengths, keys), ids, lengths)) or seen[-1][1]
+    tr.compute_gradients([1, 0])
+    keys, got, ids, lengths = seen[0]
+    assert keys == [3, 2]
+    want = OnlineFeatures(gen.runner)(ids, lengths, keys)
+    for b, n in enumerate(lengths):
+        torch.testing.assert_close(got[b, :n].float(), want[b, :n].float(), rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="only 5 training"):
+        distilled_dataset(tmp_path, fp, 0, 2, 1, train_start=5)

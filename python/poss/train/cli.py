@@ -20,6 +20,9 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from OUT/trainer_state.pt")
     p.add_argument("--max-len", type=int_at_least(2), default=1024, help="tokens per conversation at most")
     p.add_argument("--train-size", type=int_at_least(1), default=1000, help="training conversations")
+    p.add_argument("--train-start", type=int_at_least(0), default=0,
+                   help="with --data: skip this many training answers (key order), e.g. to train on what an "
+                        "extended data set added")
     p.add_argument("--val-size", type=int_at_least(0), default=100, help="held-out conversations (fixed by --data-seed)")
     p.add_argument("--data-seed", type=int, default=42, help="seed of the train/validation split")
     p.add_argument("--data", default=None, metavar="DIR",
@@ -75,7 +78,8 @@ def _prepare(args):
     tokenizer, hf = load_model(args.target, dtype=dtype, device=device)
     runner = TargetRunner(hf, max_batch=args.batch_size, max_seq=args.max_len, dtype=dtype)
     if args.data:
-        data = distilled_dataset(args.data, runner.fingerprint(), args.max_len, args.train_size, args.val_size)
+        data = distilled_dataset(args.data, runner.fingerprint(), args.max_len, args.train_size, args.val_size,
+                                 args.train_start)
     else:
         recipe = DataRecipe(max_len=args.max_len, train_size=args.train_size, val_size=args.val_size,
                             data_seed=args.data_seed, regenerate=args.regenerate,
@@ -101,6 +105,8 @@ def check_train_arguments(args) -> None:
     check_draft(args.init_from, "--init-from")
     if args.data is not None and not Path(args.data).is_dir():
         raise UsageError(f"--data: {args.data!r} is not a folder (expected a `poss distill` output folder)")
+    if args.train_start and args.data is None:
+        raise UsageError("--train-start needs --data (a `poss distill` folder)")
     if args.device is not None and args.device.split(":")[0] not in ("cpu", "cuda"):
         raise UsageError(f"--device: expected cpu, cuda or cuda:N, got {args.device!r}")
 
@@ -128,7 +134,8 @@ def run_train(args) -> int:
                       max_batches=args.max_batches, validate_every_epoch=args.validate_every_epoch, autocast="bf16" if runner.dtype == torch.bfloat16 else "none")
     trainer = Trainer(runner, cfg, data.train, data.val, args.out,
                       target_name=args.target if isinstance(args.target, str) else "", init_from=args.init_from,
-                      feature_cache=data.feature_cache, info=info, data_info=data.info, token_map=token_map)
+                      feature_cache=data.feature_cache, info=info, data_info=data.info, token_map=token_map,
+                      train_ids=data.train_ids)
     if args.resume and trainer.resume() and info.main:
         print(f"resumed at step {trainer.progress['step']} (epoch {trainer.progress['epoch']})", file=sys.stderr)
     result = trainer.fit()

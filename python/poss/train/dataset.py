@@ -39,6 +39,7 @@ class Dataset:
     val: List[Example]
     feature_cache: Optional[str]  # folder of the cached target features, None for online features
     info: dict  # provenance, stored in the trained draft's config
+    train_ids: Optional[List[int]] = None  # feature-cache keys of ``train`` (None: their positions)
 
 
 def _key(parts) -> str:
@@ -94,14 +95,17 @@ def build_dataset(tokenizer, hf_model, target_fingerprint: str, recipe: DataReci
     return Dataset(train_ex, val_ex, fcache, info)
 
 
-def distilled_dataset(folder, target_fingerprint: str, max_len: int, train_size: int, val_size: int) -> Dataset:
-    """The on-policy splits of a ``poss distill`` folder, whose features were made by the same run.
+def distilled_dataset(folder, target_fingerprint: str, max_len: int, train_size: int, val_size: int,
+                      train_start: int = 0) -> Dataset:
+    """The on-policy splits of a ``poss distill`` folder, whose features were made by the same run:
+    ``train_size`` training answers from the ``train_start``-th on (in key order; a later round of
+    training can take the answers an extended data set added), the first ``val_size`` held-out ones.
 
     Raises ``ValueError`` when the folder is not a distill output or was made for another target.
     """
     from pathlib import Path
 
-    from poss.train.distill import load_examples
+    from poss.train.distill import load_examples, load_keyed_examples
 
     d = Path(folder)
     if not (d / "meta.json").is_file():
@@ -109,8 +113,13 @@ def distilled_dataset(folder, target_fingerprint: str, max_len: int, train_size:
     meta = json.loads((d / "meta.json").read_text())
     if meta["recipe"]["target_fingerprint"] != target_fingerprint:
         raise ValueError(f"--data {folder} was distilled from another target ({meta['recipe']['target_fingerprint']})")
-    train = load_examples(d, "train", max_len)[:train_size]
+    keys, train = load_keyed_examples(d, "train", max_len)
+    if train_start >= len(train):
+        raise ValueError(f"--train-start {train_start}: {folder} holds only {len(train)} training answers")
+    keys, train = keys[train_start:train_start + train_size], train[train_start:train_start + train_size]
     val = load_examples(d, "val", max_len)[:val_size]
     info = {"source": "poss distill", **meta["recipe"], "train_size": len(train), "max_len": max_len,
             "train_tokens": sum(len(e.input_ids) for e in train)}
-    return Dataset(train, val, str(d / "features"), info)
+    if train_start:
+        info["train_start"] = train_start
+    return Dataset(train, val, str(d / "features"), info, keys)

@@ -71,6 +71,11 @@ def read_records(out: Path) -> List[dict]:
 
 def load_examples(out, split: str, max_len: int = 0) -> List[Example]:
     """The distilled examples of ``split`` in key order; ``max_len > 0`` truncates them."""
+    return load_keyed_examples(out, split, max_len)[1]
+
+
+def load_keyed_examples(out, split: str, max_len: int = 0) -> Tuple[List[int], List[Example]]:
+    """``(keys, examples)`` of ``split`` in key order: the keys name each example's cached features."""
     recs = sorted((r for r in read_records(Path(out)) if r["split"] == split), key=lambda r: r["key"])
     examples = []
     for r in recs:
@@ -79,7 +84,7 @@ def load_examples(out, split: str, max_len: int = 0) -> List[Example]:
         if max_len:
             ids, mask = ids[:max_len], mask[:max_len]
         examples.append(Example(torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.int64)))
-    return examples
+    return [r["key"] for r in recs], examples
 
 
 def distill(gen, conversations, out, n_train: int, n_val: int = 100, batch_size: int = 32,

@@ -132,15 +132,19 @@ class Trainer:
         runner: the bf16 (or fp32) target runner; its ``max_batch``/``max_seq`` bound the batches.
         out_dir: checkpoints (``trainer_state.pt``), ``metrics.jsonl`` and the final ``draft/``.
         feature_cache: directory for the fp16 feature cache, or None for purely online features.
-        example_ids: stable ids of the train examples (feature-cache keys); val ids are offset by 10**9.
+        train_ids: the feature-cache keys of the train examples (default: their positions); val
+            example i has key ``VAL_ID_OFFSET + i``.
     """
 
     def __init__(self, runner: TargetRunner, cfg: TrainConfig, train_examples: List[Example], val_examples: List[Example],
                  out_dir, target_name: str = "", init_from: Optional[str] = None, feature_cache: Optional[str] = None,
                  info: DistInfo = DistInfo(), data_info: Optional[dict] = None, progress_bar: bool = True,
-                 token_map: Optional[torch.Tensor] = None):
+                 token_map: Optional[torch.Tensor] = None, train_ids: Optional[Sequence[int]] = None):
         self.runner, self.cfg, self.info = runner, cfg, info
         self.train, self.val = train_examples, val_examples
+        self.train_ids = list(range(len(train_examples))) if train_ids is None else list(train_ids)
+        if len(self.train_ids) != len(train_examples):
+            raise ValueError(f"train_ids has {len(self.train_ids)} keys for {len(train_examples)} train examples")
         self.out = Path(out_dir)
         self.progress_bar = progress_bar and info.main
         self.features = make_features(runner, feature_cache, info.rank)
@@ -194,7 +198,7 @@ class Trainer:
     def compute_gradients(self, idx: Sequence[int], noise: bool = True) -> List[Dict[str, torch.Tensor]]:
         """Forward + per-step backward on this rank's examples ``idx``; gradients are left in ``.grad``."""
         b = collate([self.train[i] for i in idx])
-        f = self.features(b["input_ids"], b["lengths"], list(idx))
+        f = self.features(b["input_ids"], b["lengths"], [self.train_ids[i] for i in idx])
         dev = f.device
         batch = make_batch(b["input_ids"].to(dev), b["loss_mask"].to(dev), b["lengths"], f, self.runner.lm_head,
                            self.cfg.noise_std if noise else 0.0, token_map=self.draft.token_map)
