@@ -13,6 +13,11 @@
 #   mkdir -p runs/distill && xz -dc data/distill-smollm2-135m/records.jsonl.xz > runs/distill/records.jsonl
 #   cp data/distill-smollm2-135m/meta.json runs/distill/ && poss distill --out runs/distill --rebuild-features
 #
+# Round 2 (continue every draft on more data): INIT_EACH=DIR starts each method from DIR/<name>
+# (e.g. drafts: the shipped eagle2, hass, poss2) instead of the shared INIT, and TRAIN_START=K
+# trains only on the training answers from the K-th on (those a later data set added):
+#   DATA=runs/distill-bf16 INIT_EACH=drafts TRAIN_START=1116 RUNS=runs/round2 scripts/train_smollm2_drafts.sh eagle2 hass poss2
+#
 # The init run is the shipped drafts/eagle2 of 2026-11-30: epoch 3 of a 6-epoch linear schedule, the run
 # stopped there (183 optimizer steps per epoch at batch 4 over the 732 training answers, so
 # --max-batches 549). Set INIT to an existing draft folder to start from it instead.
@@ -30,11 +35,15 @@ LR=${LR:-3e-4}
 BATCH=${BATCH:-4}
 THREADS=${THREADS:-1}
 CKPT_MIN=${CKPT_MIN:-5}
+INIT_EACH=${INIT_EACH:-}
+TRAIN_START=${TRAIN_START:-0}
+TRAIN_SIZE=${TRAIN_SIZE:-1000}
 STEPS=6   # draft positions trained by PosS, as the paper does
 export PYTHONPATH="$PWD:$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 
 common=(--target smollm2-135m --data "$DATA" --batch-size "$BATCH" --lr "$LR" --threads "$THREADS"
-        --checkpoint-minutes "$CKPT_MIN" --validate-every-epoch --resume)
+        --checkpoint-minutes "$CKPT_MIN" --validate-every-epoch --resume --train-start "$TRAIN_START"
+        --train-size "$TRAIN_SIZE")
 
 run() {  # name, extra args...
   local name=$1; shift
@@ -46,17 +55,18 @@ run() {  # name, extra args...
   echo "$name: finished ($(date -u))"
 }
 
-after=(--epochs "$EPOCHS" --init-from "$INIT")
+init_of() { [[ -n "$INIT_EACH" ]] && echo "$INIT_EACH/$1" || echo "$INIT"; }
+after() { echo --epochs "$EPOCHS" --init-from "$(init_of "$1")"; }
 want=("${@:-eagle2-init eagle2 hass poss1 poss2 poss3}")
 want=(${want[@]})
 for m in "${want[@]}"; do
   case $m in
     eagle2-init) [[ -f "$INIT/config.json" ]] || run eagle2-init --method eagle2 --draft-vocab 8192 --epochs 6 --max-batches 549 ;;
-    eagle2) run eagle2 --method eagle2 "${after[@]}" ;;
-    hass)   run hass --method hass --steps 3 "${after[@]}" ;;
-    poss1)  run poss1 --method poss --steps $STEPS --positions-per-specialist 1 "${after[@]}" ;;
-    poss2)  run poss2 --method poss --steps $STEPS --positions-per-specialist 2 "${after[@]}" ;;
-    poss3)  run poss3 --method poss --steps $STEPS --positions-per-specialist 3 "${after[@]}" ;;
+    eagle2) run eagle2 --method eagle2 $(after eagle2) ;;
+    hass)   run hass --method hass --steps 3 $(after hass) ;;
+    poss1)  run poss1 --method poss --steps $STEPS --positions-per-specialist 1 $(after poss1) ;;
+    poss2)  run poss2 --method poss --steps $STEPS --positions-per-specialist 2 $(after poss2) ;;
+    poss3)  run poss3 --method poss --steps $STEPS --positions-per-specialist 3 $(after poss3) ;;
     *) echo "unknown run $m (eagle2-init eagle2 hass poss1 poss2 poss3)"; exit 2 ;;
   esac
 done

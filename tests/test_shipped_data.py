@@ -1,4 +1,4 @@
-"""The on-policy training data shipped in data/distill-smollm2-135m/ is what its data card says:
+"""The on-policy training data shipped in data/distill-*/ is what each data card says:
 the file's sha256 (compressed and not), the split sizes, the answer-token counts, the truncation
 flags, and well-formed records (unique keys, token ids inside SmolLM2's 49,152-token vocabulary)."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "distill-smollm2-135m"
+SETS = sorted((Path(__file__).resolve().parents[1] / "data").glob("distill-*"))
 VOCAB = 49152
 
 
@@ -20,24 +20,29 @@ def card_number(card: str, label: str) -> int:
     return int(m.group(1).replace(",", ""))
 
 
-@pytest.fixture(scope="module")
-def shipped():
+def test_the_data_sets_are_there():
+    assert [d.name for d in SETS if d.name.startswith("distill-smollm2-135m")]
+
+
+@pytest.fixture(scope="module", params=SETS, ids=[d.name for d in SETS])
+def shipped(request):
+    DATA = request.param
     card = (DATA / "README.md").read_text()
     packed = (DATA / "records.jsonl.xz").read_bytes()
     raw = lzma.decompress(packed)
     records = [json.loads(line) for line in raw.decode().splitlines()]
-    return card, packed, raw, records
+    return card, packed, raw, records, DATA
 
 
 def test_checksums_match_the_card(shipped):
-    card, packed, raw, _ = shipped
+    card, packed, raw, _, _ = shipped
     want_packed, want_raw = re.search(r"sha256 `([0-9a-f]{64})` \(uncompressed `([0-9a-f]{64})`\)", card).groups()
     assert hashlib.sha256(packed).hexdigest() == want_packed
     assert hashlib.sha256(raw).hexdigest() == want_raw
 
 
 def test_counts_match_the_card(shipped):
-    card, _, _, records = shipped
+    card, _, _, records, _ = shipped
     train = [r for r in records if r["split"] == "train"]
     val = [r for r in records if r["split"] == "val"]
     assert len(train) + len(val) == len(records)
@@ -52,7 +57,7 @@ def test_counts_match_the_card(shipped):
 
 
 def test_records_are_well_formed(shipped):
-    _, _, _, records = shipped
+    _, _, _, records, DATA = shipped
     meta = json.loads((DATA / "meta.json").read_text())
     cap = meta["recipe"]["max_new_tokens"]
     assert len({r["key"] for r in records}) == len(records)
