@@ -124,7 +124,7 @@ def batch_row(gen, prompts: Sequence[List[int]], new: int, batch: int, name: str
         t = time.perf_counter()
         res = gen.generate(list(prompts[:batch]), new, tree=tree)
         wall = time.perf_counter() - t
-        resolved = gen.batch_limit(tree) if limit is not None else None
+        resolved = gen.speculation_limit(tree) if limit is not None else None
     finally:
         gen.end_ids, gen.speculate_max_batch = saved
     rounds = max(s.rounds for s in res.stats)

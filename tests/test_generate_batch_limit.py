@@ -63,7 +63,7 @@ def test_without_a_limit_the_short_request_accepts_draft_tokens(gen):
     assert sum(res.stats[2].accept_hist[1:]) > 0
 
 
-def test_auto_measures_once_per_tree(gen, monkeypatch):
+def test_auto_is_measured_once_per_tree(gen, monkeypatch):
     import poss.decode.autotune as autotune
 
     calls = []
@@ -77,18 +77,18 @@ def test_auto_measures_once_per_tree(gen, monkeypatch):
         gen.generate(p, 6, tree=TREE)
         assert calls == [TREE]
         assert all(sum(s.accept_hist[1:]) == 0 for s in a.stats)  # limit 1: both rows plain until one ends
+        other = TreeParams(num_nodes=6, depth=2, beam_width=3)
+        gen.generate(p, 4, tree=other)
+        assert calls == [TREE, other]
     finally:
         gen.speculate_max_batch, gen._limits = None, {}
 
 
 @pytest.mark.parametrize("bad", [0, -1, "sometimes", 2.5, True])
 def test_bad_limit_is_a_clear_error(gen, bad):
-    gen.speculate_max_batch = bad
-    try:
-        with pytest.raises(ValueError, match="speculate_max_batch"):
-            gen.generate(eval_prompts(1)[:2], 4, tree=TREE)
-    finally:
-        gen.speculate_max_batch = None
+    with pytest.raises(ValueError, match="speculate_max_batch"):
+        gen.speculate_max_batch = bad
+    assert gen.speculate_max_batch is None
 
 
 def test_the_generate_flag_reaches_the_generator(monkeypatch):

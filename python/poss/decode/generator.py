@@ -82,12 +82,23 @@ class Generator:
         # first use by timing this machine (autotune; cached on disk) and then kept per beam width.
         self.default_tree: Union[TreeParams, str] = TreeParams()
         self._auto_trees: Dict[int, TreeParams] = {}
-        # Speculate only while at most this many requests of a call are live; larger batches decode
-        # plainly (on a CPU a tree round's cost grows with batch x nodes, a decode step's barely).
-        # An int >= 1, "auto" (poss.load's default: measured once per machine and tree, cached on
-        # disk; autotune.speculation_limit) or None (always speculate).
-        self.speculate_max_batch: Union[int, str, None] = None
+        self.speculate_max_batch = None
         self._limits: Dict[tuple, Optional[int]] = {}
+
+    @property
+    def speculate_max_batch(self) -> Union[int, str, None]:
+        """Speculate only while at most this many requests of a call are live; larger batches decode
+        plainly (on a CPU a tree round's cost grows with batch x nodes, a decode step's barely).
+        An int >= 1, ``"auto"`` (poss.load's default: measured once per machine, draft and tree,
+        cached on disk; :func:`poss.decode.autotune.speculation_limit`) or None (always speculate)."""
+        return self._speculate_max_batch
+
+    @speculate_max_batch.setter
+    def speculate_max_batch(self, limit: Union[int, str, None]) -> None:
+        if not (limit is None or limit == "auto" or (isinstance(limit, int) and not isinstance(limit, bool)
+                                                     and limit >= 1)):
+            raise ValueError(f"speculate_max_batch must be an int >= 1, 'auto' or None, got {limit!r}")
+        self._speculate_max_batch = limit
 
     # -- prompts ---------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> List[int]:
@@ -173,22 +184,20 @@ class Generator:
             self._auto_trees[beam_width] = TreeParams.auto(self, beam_width=beam_width)
         return self._auto_trees[beam_width]
 
-    def batch_limit(self, tree: TreeParams) -> Optional[int]:
+    def speculation_limit(self, tree: TreeParams) -> Optional[int]:
         """The batch size above which a call's rounds do not speculate (None: no limit), from
-        :attr:`speculate_max_batch`; ``"auto"`` is measured on first use and kept per tree."""
+        :attr:`speculate_max_batch`; ``"auto"`` is measured on first use and kept per draft and tree."""
         limit = self.speculate_max_batch
-        if limit is None or limit == "auto" and self.draft is None:
+        if limit != "auto":
+            return limit
+        if self.draft is None:
             return None
-        if limit == "auto":
-            key = (tree.num_nodes, tree.depth, tree.beam_width)
-            if key not in self._limits:
-                from poss.decode.autotune import speculation_limit
+        key = (id(self.draft), tree.num_nodes, tree.depth, tree.beam_width)
+        if key not in self._limits:
+            from poss.decode.autotune import speculation_limit
 
-                self._limits[key] = speculation_limit(self, tree)
-            return self._limits[key]
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise ValueError(f"speculate_max_batch must be an int >= 1, 'auto' or None, got {limit!r}")
-        return limit
+            self._limits[key] = speculation_limit(self, tree)
+        return self._limits[key]
 
     def _requests(self, prompts, max_new_tokens: int, sampling: Sequence[SamplingParams]) -> List[Request]:
         if len(prompts) == 0:
@@ -224,7 +233,7 @@ class Generator:
             return
         speculate = self.draft is not None and tree.depth >= 1 and tree.num_nodes > 1
         depth = tree.depth if speculate else 0
-        limit = self.batch_limit(tree) if speculate and len(reqs) > 1 else None
+        limit = self.speculation_limit(tree) if speculate and len(reqs) > 1 else None
         for r in reqs:
             r.accept_hist = [0] * (depth + 1)
         stopper = Stopper(self.end_ids, stop, self.decode if self.tokenizer is not None else None)
