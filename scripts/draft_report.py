@@ -97,10 +97,17 @@ def val_epochs(run: Path) -> List[dict]:
     return [by_epoch[e] for e in sorted(by_epoch)]
 
 
+def cumulative_tokens(training: dict) -> int:
+    """Token-passes of a draft's training and of every draft it started from (its ``init_from`` chain)."""
+    init = training.get("init_from") or {}
+    return training["tokens"] + (cumulative_tokens(init["training"]) if init.get("training") else 0)
+
+
 def init_summary(cfg: dict, path) -> dict:
     t = cfg["training"]
     return {"path": shown(path), "label": method_label(t["recipe"]), "epoch": t.get("epoch"),
-            "epochs": t["recipe"]["epochs"], "tokens": t["tokens"], "acc1": (t.get("val") or {}).get("acc", [None])[0]}
+            "epochs": t["recipe"]["epochs"], "tokens": cumulative_tokens(t),
+            "acc1": (t.get("val") or {}).get("acc", [None])[0]}
 
 
 def init_of(cfg: dict, run: Optional[Path], init_dir: Optional[Path]) -> Optional[dict]:
@@ -306,9 +313,10 @@ def learning_curves(init_curve: dict, runs: List[Path], init_row: Optional[dict]
     rescored = None
     if init_row is not None:
         t, k = init_row["cfg"]["training"], init_row["val"]["key"]
-        if t["tokens"] != base:
-            print(f"note: --init has {t['tokens']:,} token-passes, the init curve ends at {base:,}", file=sys.stderr)
-        rescored = (t["tokens"], init_row["val"]["acc"][0], t.get("epoch"))
+        if cumulative_tokens(t) != base:
+            print(f"note: --init has {cumulative_tokens(t):,} token-passes, the init curve ends at {base:,}",
+                  file=sys.stderr)
+        rescored = (cumulative_tokens(t), init_row["val"]["acc"][0], t.get("epoch"))
         curves.append({"label": f"{init_row['label']} re-scored here", "kind": "rescored", "start": None,
                        "points": [rescored], "measured": f"target {k['dtype']}, {k['autocast']} autocast"})
     for run in runs:
@@ -508,6 +516,10 @@ def main(argv=None) -> int:
     ap.add_argument("--init", default="drafts/eagle2",
                     help="the shared initialisation the runs started from (its row, and their cards when the "
                          "run's config does not record --init-from); 'none' to leave it out")
+    ap.add_argument("--init-label", default=None, help="the init's row label (default: '<method> init')")
+    ap.add_argument("--baselines", nargs="*", default=[],
+                    help="more draft folders to score on the same split (e.g. the drafts a second round started from)")
+    ap.add_argument("--baseline-label", default="before", help="added to each baseline's row label")
     ap.add_argument("--init-curve", default="docs/bench/eagle2_init_curve.json",
                     help="the init run's per-epoch validations (measured elsewhere)")
     ap.add_argument("--steps", type=int, default=6, help="draft positions to score (the paper's 6)")
@@ -544,9 +556,18 @@ def main(argv=None) -> int:
         cfg = read_json(a.init / "config.json")
         cache = cache_root() / "draft-report" / f"{a.init.name}-val-steps{a.steps}.json"
         epoch = cfg["training"].get("epoch")
-        label = f"{method_label(cfg['training']['recipe'])} init" + (f" (epoch {epoch})" if epoch else "")
+        label = a.init_label or f"{method_label(cfg['training']['recipe'])} init" + (f" (epoch {epoch})" if epoch else "")
         init_row = describe(a.init.name, a.init, cfg, validation(a.init, cfg, cache, a), None, None, label)
         rows.append(init_row)
+    for base in map(repo_path, a.baselines):
+        if a.init is not None and base.resolve() == a.init.resolve():
+            continue
+        from poss.models.downloads import cache_root
+
+        cfg = read_json(base / "config.json")
+        cache = cache_root() / "draft-report" / f"{base.name}-{file_digest(base / 'model.safetensors')}-val-steps{a.steps}.json"
+        label = f"{method_label(cfg['training']['recipe'])} {a.baseline_label}"
+        rows.append(describe(base.name, base, cfg, validation(base, cfg, cache, a), None, None, label))
     rows.sort(key=sort_key)
     curves = learning_curves(read_json(a.init_curve), run_dirs, init_row, a.init)
     print(table(rows, a.steps))

@@ -125,3 +125,12 @@ def test_cached_validation_is_reused_only_while_its_key_holds(rep, tmp_path, mon
     (draft / "model.safetensors").write_bytes(b"retrained")
     assert rep.validation(draft, cfg, cache, args)["acc"] == [0.4] * 6
     assert calls and calls[0][calls[0].index("--data") + 1] == str(data) and "--threads" in calls[0]
+
+
+def test_token_passes_add_up_along_the_init_chain(rep, tmp_path):
+    first = fake_config("eagle2", 1, 1, tokens=773604)["training"]
+    second = fake_config("eagle2", 1, 1, tokens=354244, init_from={"path": "drafts/eagle2", "training": first})
+    third = fake_config("eagle2", 1, 1, tokens=500000, init_from={"path": "drafts/eagle2", "training": second["training"]})
+    assert rep.cumulative_tokens(first) == 773604
+    assert rep.cumulative_tokens(third["training"]) == 773604 + 354244 + 500000
+    assert rep.init_of(third, None, None)["tokens"] == 773604 + 354244  # the init's own chain
