@@ -404,11 +404,20 @@ def method_text(c: dict, r: dict) -> str:
     return f"{what}; {c['n_specialists']} specialists, {plural(c['positions_per_specialist'], 'position')} per specialist"
 
 
+def answers(d: dict) -> str:
+    """The training answers a run used: all of a set's, or (``--train-start``) a slice of it."""
+    n = d.get("train_size", d["n_train"])
+    start = d.get("train_start", 0)
+    if not start:
+        return f"{n:,} training answers"
+    return f"{n:,} training answers (keys {start:,}..{start + n - 1:,}: those after the {start:,} earlier rounds saw)"
+
+
 def data_text(d: dict, epochs: int) -> str:
     if d.get("source") == "poss distill":
         return (f"on-policy: the target's own {d['decoding']} answers ({d['dtype']}, at most {d['max_new_tokens']} new "
-                f"tokens) to prompts from {d['prompt_source']}, made by `poss distill`: {d['n_train']:,} training "
-                f"answers ({d['train_tokens']:,} tokens with their prompts, max_len {d['max_len']}), {d['n_val']} "
+                f"tokens) to prompts from {d['prompt_source']}, made by `poss distill`: {answers(d)} "
+                f"({d['train_tokens']:,} tokens with their prompts, max_len {d['max_len']}), {d['n_val']} "
                 f"held-out prompts answered the same way (fingerprints: training `{d['train_fingerprint']}`, "
                 f"held-out `{d['val_fingerprint']}`). The loss covers answer tokens only")
     return (f"{d['source']} (file sha256 `{d['file_sha256_16']}`): {d['n_train']} training conversations "

@@ -134,3 +134,10 @@ def test_token_passes_add_up_along_the_init_chain(rep, tmp_path):
     assert rep.cumulative_tokens(first) == 773604
     assert rep.cumulative_tokens(third["training"]) == 773604 + 354244 + 500000
     assert rep.init_of(third, None, None)["tokens"] == 773604 + 354244  # the init's own chain
+
+
+def test_a_slice_of_the_data_is_named_in_the_card(rep):
+    d = fake_config()["training"]["data"]
+    assert rep.answers(d) == "732 training answers"
+    d = {**d, "n_train": 3200, "train_size": 1684, "train_start": 1000}
+    assert rep.answers(d) == "1,684 training answers (keys 1,000..2,683: those after the 1,000 earlier rounds saw)"
