@@ -321,7 +321,7 @@ def learning_curves(init_curve: dict, runs: List[Path], init_row: Optional[dict]
                        "points": [rescored], "measured": f"target {k['dtype']}, {k['autocast']} autocast"})
     for run in runs:
         cfg, points = run_config(run), val_epochs(run)
-        if cfg is None or not points:
+        if cfg is None or not points or cfg["training"]["recipe"]["method"] != "eagle2":
             continue
         init = init_of(cfg, run, init_dir)
         offset = (init.get("tokens") or 0) if init else 0
@@ -336,7 +336,8 @@ def curve_table(curves: List[dict]) -> str:
     lines = ["| curve | epoch | token-passes | held-out acc@1 | measured |", "|---|---|---|---|---|"]
     for c in curves:
         for tokens, acc, epoch in c["points"]:
-            lines.append(f"| {c['label']} | {epoch} | {tokens:,} | {100 * acc:.1f}% | {c['measured']} |")
+            lines.append(f"| {c['label']} | {'–' if epoch is None else epoch} | {tokens:,} | {100 * acc:.1f}% | "
+                         f"{c['measured']} |")
     return "\n".join(lines)
 
 

@@ -141,3 +141,15 @@ def test_a_slice_of_the_data_is_named_in_the_card(rep):
     assert rep.answers(d) == "732 training answers"
     d = {**d, "n_train": 3200, "train_size": 1684, "train_start": 1000}
     assert rep.answers(d) == "1,684 training answers (keys 1,000..2,683: those after the 1,000 earlier rounds saw)"
+
+
+def test_the_learning_curve_is_eagle2s_only(rep, tmp_path):
+    runs = []
+    for name, method in (("eagle2", "eagle2"), ("hass", "hass")):
+        run = tmp_path / name
+        write_draft(run / "draft-fp16", fake_config(method, 1, 1))
+        (run / "metrics.jsonl").write_text(json.dumps({"val_epoch": {"epoch": 1, "tokens": 100, "val": {"acc": [0.4]}}}))
+        runs.append(run)
+    curve = {"label": "init run", "measured": "fp32", "points": [{"epoch": 3, "tokens": 773604, "acc1": 0.334}]}
+    got = rep.learning_curves(curve, runs, None, None)
+    assert [c["label"] for c in got] == ["init run", "EAGLE-2 (`eagle2`)"]
