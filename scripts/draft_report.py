@@ -259,9 +259,12 @@ def plot_steps(rows: List[dict], steps: int, path: Path) -> None:
 
     fig, (ax, dx) = plt.subplots(1, 2, figsize=(12, 4.4))
     x = range(1, steps + 1)
-    colors = {id(d): f"C{i}" for i, d in enumerate(rows)}
+    # One color per method; the drafts that are not runs of this report (an init, baselines) dashed.
+    methods = sorted({(METHOD_ORDER.get(d["recipe"]["method"], 3), d["recipe"]["positions_per_specialist"]) for d in rows})
+    colors = {id(d): f"C{methods.index((METHOD_ORDER.get(d['recipe']['method'], 3), d['recipe']['positions_per_specialist']))}"
+              for d in rows}
     for d in rows:
-        style = {"ls": "--", "color": "gray"} if d["run"] is None else {"color": colors[id(d)]}
+        style = {"ls": "--", "alpha": 0.6, "color": colors[id(d)]} if d["run"] is None else {"color": colors[id(d)]}
         ax.plot(x, [100 * a for a in d["val"]["acc"]], marker="o", label=d["label"], **style)
     k = rows[0]["val"]["key"]
     ax.set_xlabel("draft position (step)")
@@ -462,6 +465,12 @@ def model_card(d: dict, steps: int) -> str:
     title = target_title(c) + (", on-policy data" if on_policy(c) else "") + (
         f", {c['draft_vocab']:,}-token draft vocabulary" if c.get("draft_vocab") else "")
     init_step = f" with `INIT={init['path']}`" if init else ""
+    driver = f"scripts/train_smollm2_drafts.sh {d['name']}"
+    if data.get("train_start"):  # a later round: each method from its own earlier draft, on the new answers
+        folder = str(Path(init["path"]).parent) if init else "DRAFTS"
+        driver = (f"DATA=<the {data['dtype']} poss distill folder> INIT_EACH={folder} TRAIN_START={data['train_start']} "
+                  f"TRAIN_SIZE={data['train_size']} {driver}")
+        init_step = ""
     return f"""# {d['label']} draft for {title}
 
 {architecture(c, r)} {vocabulary(c)} The target's embedding and lm_head are shared, not stored.
@@ -476,7 +485,7 @@ Weights are fp16 ({d['mb']:.1f} MB).
 - **Validation at the end of training** (held out, {precision(t)}): loss {mean(d['train_val'].get('loss', [])):.3f} (mean over the trained steps), top-1 agreement per trained step {pct(d['train_val'].get('acc', []))} %.
 - **Validation over {steps} draft positions** (this fp16 file, `poss train --validate --steps {steps}`, target {k['dtype']}, draft under {k['autocast']} autocast, {v['tokens']:,} held-out answer tokens, split `{k['val_fingerprint']}`): top-1 agreement per position {pct(v['acc'])} % (loss {' / '.join(f'{x:.3f}' for x in v['loss'])}).{misses}
 
-Reproduce: `scripts/train_smollm2_drafts.sh {d['name']}`{init_step}, then `python scripts/draft_report.py runs --ship {d['name']}`.
+Reproduce: `{driver}`{init_step}, then `python scripts/draft_report.py runs --ship {d['name']}`.
 """
 
 
