@@ -65,7 +65,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     import poss
 
-    gen = poss.load("smollm2-135m")
+    gen = poss.load("smollm2-135m", speculate_max_batch=None)  # time the tree rounds at any --batch
     gen.end_ids = set()  # run every request the full length
     prompts = [gen.encode(t) for t in eval_texts(args.prompts)]
     rows = []

@@ -65,7 +65,7 @@ def test_real_smollm2_bf16_speculation_matches_bf16_ar():
     from poss.models.registry import load_model
 
     spec = poss.load("smollm2-135m", draft=poss.shipped_draft("smollm2-135m"), dtype=torch.bfloat16,
-                     tree=TreeParams(num_nodes=16, depth=4))
+                     tree=TreeParams(num_nodes=16, depth=4), speculate_max_batch=None)  # speculate at batch 4
     ar = poss.load("smollm2-135m", dtype=torch.bfloat16)
     texts = [load_eval_set(name)[1]["turns"][0] for name in ("gsm8k", "humaneval", "qa", "mt_bench")]
     prompts = [spec.encode(t) for t in texts]

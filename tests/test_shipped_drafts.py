@@ -47,7 +47,8 @@ def test_default_shipped_draft_is_lossless_and_accepted():
     assert folder is not None and "poss" in folder.name  # a PosS draft is preferred when one ships
     # fp32: identical to HF as well (test_loop_edges covers our AR loop in bf16 and fp32);
     # the fixed 60/6 tree: auto may pick a tree too small to show acceptance
-    gen = poss.load("smollm2-135m", draft=folder, tree=TreeParams(), dtype=torch.float32)
+    # speculate_max_batch=None: speculate at batch 2 too (auto would measure, and may decode plainly)
+    gen = poss.load("smollm2-135m", draft=folder, tree=TreeParams(), dtype=torch.float32, speculate_max_batch=None)
     ar = poss.load("smollm2-135m", dtype=torch.float32)
     texts = [load_eval_set(name)[0]["turns"][0] for name in ("gsm8k", "mt_bench")]
     prompts = [gen.encode(t) for t in texts]
