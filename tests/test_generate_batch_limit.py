@@ -17,13 +17,8 @@ BUDGETS = [60, 40, 8]
 
 
 @pytest.fixture(scope="module")
-def model():
-    return tiny_target(seed=3)
-
-
-@pytest.fixture(scope="module")
-def gen(model):
-    return make_generator(model, draft=True, n=3, ppl=1, aligned=True)
+def gen():
+    return make_generator(tiny_target(seed=3), draft=True, n=3, ppl=1, aligned=True)
 
 
 def prompts():
