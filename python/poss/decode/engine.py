@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 
 from poss.decode.batch import BatchState, Request
-from poss.decode.generator import Stats, request_stats
+from poss.decode.generator import Stats, check_speculate_max_batch, request_stats
 from poss.decode.params import SamplingParams, TreeParams
 from poss.decode.stopping import Stopper
 from poss.models.kv_cache import StaticKVCache
@@ -96,9 +96,7 @@ class DecodeEngine:
                  speculate_max_batch: Union[int, str, None] = None):
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        if not (speculate_max_batch in (None, "auto") or (isinstance(speculate_max_batch, int)
-                                                         and speculate_max_batch >= 1)):
-            raise ValueError(f"speculate_max_batch must be an int >= 1, 'auto' or None, got {speculate_max_batch!r}")
+        check_speculate_max_batch(speculate_max_batch)
         self.gen = generator
         self.tree = generator.resolve_tree(tree)
         self.max_batch = max_batch

@@ -55,6 +55,13 @@ def request_stats(r: Request) -> Stats:
     return Stats(len(r.generated), rounds, tau, list(r.accept_hist), r.seconds, r.finish_reason or "")
 
 
+def check_speculate_max_batch(limit):
+    """``limit`` if it is a valid speculation limit (an int >= 1, ``"auto"`` or None), else ``ValueError``."""
+    if not (limit is None or limit == "auto" or (isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1)):
+        raise ValueError(f"speculate_max_batch must be an int >= 1, 'auto' or None, got {limit!r}")
+    return limit
+
+
 class Generator:
     """Lossless speculative generation with a PosS draft on a :class:`TargetRunner`.
 
@@ -95,10 +102,7 @@ class Generator:
 
     @speculate_max_batch.setter
     def speculate_max_batch(self, limit: Union[int, str, None]) -> None:
-        if not (limit is None or limit == "auto" or (isinstance(limit, int) and not isinstance(limit, bool)
-                                                     and limit >= 1)):
-            raise ValueError(f"speculate_max_batch must be an int >= 1, 'auto' or None, got {limit!r}")
-        self._speculate_max_batch = limit
+        self._speculate_max_batch = check_speculate_max_batch(limit)
 
     # -- prompts ---------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> List[int]:
