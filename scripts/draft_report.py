@@ -328,9 +328,14 @@ def learning_curves(init_curve: dict, runs: List[Path], init_row: Optional[dict]
             continue
         init = init_of(cfg, run, init_dir)
         offset = (init.get("tokens") or 0) if init else 0
-        curves.append({"label": f"{method_label(cfg['training']['recipe'])} (`{run.name}`)", "kind": "run",
+        # The line starts at the re-scored init only when the run started from that draft (an earlier round's
+        # run, also on the curve, started from another).
+        recorded_path = (cfg["training"].get("init_from") or {}).get("path")
+        from_init = init is not None and (not init["recorded"] or (
+            init_dir is not None and repo_path(recorded_path).resolve() == init_dir.resolve()))
+        curves.append({"label": f"{method_label(cfg['training']['recipe'])} (`{run.parent.name}/{run.name}`)", "kind": "run",
                        "measured": f"per-epoch validation, {precision(cfg['training'])}",
-                       "start": rescored if init else None,
+                       "start": rescored if from_init else None,
                        "points": [(offset + p["tokens"], p["val"]["acc"][0], p["epoch"]) for p in points]})
     return curves
 
@@ -541,6 +546,9 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline-label", default="before", help="added to each baseline's row label")
     ap.add_argument("--init-curve", default="docs/bench/eagle2_init_curve.json",
                     help="the init run's per-epoch validations (measured elsewhere)")
+    ap.add_argument("--curve-runs", nargs="*", default=[],
+                    help="more EAGLE-2 run folders whose per-epoch validations join the learning curve "
+                         "(e.g. the earlier rounds' runs)")
     ap.add_argument("--steps", type=int, default=6, help="draft positions to score (the paper's 6)")
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="the target's dtype")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads of each validation")
@@ -588,7 +596,7 @@ def main(argv=None) -> int:
         label = f"{method_label(cfg['training']['recipe'])} {a.baseline_label}"
         rows.append(describe(base.name, base, cfg, validation(base, cfg, cache, a), None, None, label))
     rows.sort(key=sort_key)
-    curves = learning_curves(read_json(a.init_curve), run_dirs, init_row, a.init)
+    curves = learning_curves(read_json(a.init_curve), [repo_path(r) for r in a.curve_runs] + run_dirs, init_row, a.init)
     print(table(rows, a.steps))
     print()
     print(curve_table(curves))

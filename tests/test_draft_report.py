@@ -152,4 +152,23 @@ def test_the_learning_curve_is_eagle2s_only(rep, tmp_path):
         runs.append(run)
     curve = {"label": "init run", "measured": "fp32", "points": [{"epoch": 3, "tokens": 773604, "acc1": 0.334}]}
     got = rep.learning_curves(curve, runs, None, None)
-    assert [c["label"] for c in got] == ["init run", "EAGLE-2 (`eagle2`)"]
+    assert [c["label"] for c in got] == ["init run", f"EAGLE-2 (`{tmp_path.name}/eagle2`)"]
+
+
+def test_a_curve_starts_at_the_init_only_for_runs_that_started_from_it(rep, tmp_path):
+    init_dir = write_draft(tmp_path / "init", fake_config("eagle2", 1, 1, tokens=773604, epoch=3))
+    init_row = rep.describe("init", init_dir, json.loads((init_dir / "config.json").read_text()),
+                            fake_val([0.334] + [0.2] * 5), None, None, "EAGLE-2 init")
+    earlier = {"path": str(tmp_path / "older"), "training": fake_config("eagle2", 1, 1, tokens=500000)["training"]}
+    runs = []
+    for name, init_from in (("from-init", {"path": str(init_dir), "training": init_row["cfg"]["training"]}),
+                            ("from-older", earlier)):
+        run = tmp_path / name
+        write_draft(run / "draft-fp16", fake_config("eagle2", 1, 1, tokens=100, init_from=init_from))
+        (run / "metrics.jsonl").write_text(json.dumps({"val_epoch": {"epoch": 1, "tokens": 100, "val": {"acc": [0.4]}}}))
+        runs.append(run)
+    curve = {"label": "init run", "measured": "fp32", "points": [{"epoch": 3, "tokens": 773604, "acc1": 0.334}]}
+    got = {c["label"]: c for c in rep.learning_curves(curve, runs, init_row, init_dir)}
+    assert got[f"EAGLE-2 (`{tmp_path.name}/from-init`)"]["start"] == (773604, 0.334, 3)
+    older = got[f"EAGLE-2 (`{tmp_path.name}/from-older`)"]
+    assert older["start"] is None and older["points"] == [(500100, 0.4, 1)]
