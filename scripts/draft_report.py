@@ -469,13 +469,18 @@ def model_card(d: dict, steps: int) -> str:
               if c.get("draft_vocab") else "")
     title = target_title(c) + (", on-policy data" if on_policy(c) else "") + (
         f", {c['draft_vocab']:,}-token draft vocabulary" if c.get("draft_vocab") else "")
-    init_step = f" with `INIT={init['path']}`" if init else ""
-    driver = f"scripts/train_smollm2_drafts.sh {d['name']}"
+    # The driver's knobs that differ from its defaults, so the line reruns this draft's recipe.
+    knobs = [f"DATA=<the {data['dtype']} poss distill folder>"] if on_policy(c) else []
     if data.get("train_start"):  # a later round: each method from its own earlier draft, on the new answers
         folder = str(Path(init["path"]).parent) if init else "DRAFTS"
-        driver = (f"DATA=<the {data['dtype']} poss distill folder> INIT_EACH={folder} TRAIN_START={data['train_start']} "
-                  f"TRAIN_SIZE={data['train_size']} {driver}")
-        init_step = ""
+        knobs += [f"INIT_EACH={folder}", f"TRAIN_START={data['train_start']}"]
+    elif init:
+        knobs.append(f"INIT={init['path']}")
+    if data.get("train_size") and data["train_size"] != 1000:
+        knobs.append(f"TRAIN_SIZE={data['train_size']}")
+    if r["epochs"] != 1:
+        knobs.append(f"EPOCHS={r['epochs']}")
+    driver = " ".join(knobs + [f"scripts/train_smollm2_drafts.sh {d['name']}"])
     return f"""# {d['label']} draft for {title}
 
 {architecture(c, r)} {vocabulary(c)} The target's embedding and lm_head are shared, not stored.
@@ -490,7 +495,7 @@ Weights are fp16 ({d['mb']:.1f} MB).
 - **Validation at the end of training** (held out, {precision(t)}): loss {mean(d['train_val'].get('loss', [])):.3f} (mean over the trained steps), top-1 agreement per trained step {pct(d['train_val'].get('acc', []))} %.
 - **Validation over {steps} draft positions** (this fp16 file, `poss train --validate --steps {steps}`, target {k['dtype']}, draft under {k['autocast']} autocast, {v['tokens']:,} held-out answer tokens, split `{k['val_fingerprint']}`): top-1 agreement per position {pct(v['acc'])} % (loss {' / '.join(f'{x:.3f}' for x in v['loss'])}).{misses}
 
-Reproduce: `{driver}`{init_step}, then `python scripts/draft_report.py runs --ship {d['name']}`.
+Reproduce: `{driver}`, then `python scripts/draft_report.py runs --ship {d['name']}`.
 """
 
 
@@ -543,7 +548,8 @@ def main(argv=None) -> int:
     ap.add_argument("--init-label", default=None, help="the init's row label (default: '<method> init')")
     ap.add_argument("--baselines", nargs="*", default=[],
                     help="more draft folders to score on the same split (e.g. the drafts a second round started from)")
-    ap.add_argument("--baseline-label", default="before", help="added to each baseline's row label")
+    ap.add_argument("--baseline-label", default="before",
+                    help="added to each baseline's row label; FOLDER=LABEL in --baselines gives one its own")
     ap.add_argument("--init-curve", default="docs/bench/eagle2_init_curve.json",
                     help="the init run's per-epoch validations (measured elsewhere)")
     ap.add_argument("--curve-runs", nargs="*", default=[],
@@ -586,14 +592,16 @@ def main(argv=None) -> int:
         label = a.init_label or f"{method_label(cfg['training']['recipe'])} init" + (f" (epoch {epoch})" if epoch else "")
         init_row = describe(a.init.name, a.init, cfg, validation(a.init, cfg, cache, a), None, None, label)
         rows.append(init_row)
-    for base in map(repo_path, a.baselines):
+    for arg in a.baselines:
+        folder, _, own_label = arg.partition("=")
+        base = repo_path(folder)
         if a.init is not None and base.resolve() == a.init.resolve():
             continue
         from poss.models.downloads import cache_root
 
         cfg = read_json(base / "config.json")
         cache = cache_root() / "draft-report" / f"{base.name}-{file_digest(base / 'model.safetensors')}-val-steps{a.steps}.json"
-        label = f"{method_label(cfg['training']['recipe'])} {a.baseline_label}"
+        label = f"{method_label(cfg['training']['recipe'])} {own_label or a.baseline_label}"
         rows.append(describe(base.name, base, cfg, validation(base, cfg, cache, a), None, None, label))
     rows.sort(key=sort_key)
     curves = learning_curves(read_json(a.init_curve), [repo_path(r) for r in a.curve_runs] + run_dirs, init_row, a.init)

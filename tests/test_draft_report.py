@@ -69,6 +69,12 @@ def test_card_states_the_recipe_from_the_config(rep, tmp_path):
     cfg["training"]["machine"] = {"cpu": "AMD EPYC", "simd": ["avx2"], "threads": 1, "dtype": "bfloat16"}
     card = rep.model_card(d, 6)
     assert "on AMD EPYC (avx2; 1 thread)" in card and "bf16 autocast, target bfloat16" in card
+    # The reproduce line carries every driver knob the recipe changed.
+    more = fake_config(epochs=3)
+    more["training"]["data"]["train_size"] = 3452
+    card = rep.model_card({**d, "cfg": more, "recipe": more["training"]["recipe"]}, 6)
+    assert (f"`DATA=<the float32 poss distill folder> INIT={d['init']['path']} TRAIN_SIZE=3452 EPOCHS=3 "
+            "scripts/train_smollm2_drafts.sh poss2`") in card
     fp32 = fake_config("eagle2", 1, 1, autocast="none")
     assert "fp32, no autocast" in rep.model_card({**d, "cfg": fp32, "recipe": fp32["training"]["recipe"]}, 6)
 
