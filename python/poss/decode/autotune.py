@@ -20,8 +20,8 @@ decoding), which wins when the draft is too weak or the machine makes a tree for
 
 Costs are timed once (:func:`calibrate`) by greedy generation with the generator's own profile on
 MT-Bench prompts (by default three prompts, 64 tokens each per config, interleaved; lower quartile per
-round: the fitted acceptance needs that much text, since one prompt's first 32 tokens gave the shipped
-PosS-2 a tau of 1.72 at 60/6 where 16 prompts x 256 tokens give 2.74, and picked too shallow a tree)
+round: the fitted acceptance needs text, since one prompt's first 32 tokens gave the shipped PosS-2 a
+tau of 1.72 at 60/6, three prompts x 64 tokens 1.93, and the benchmark's 16 prompts x 256 tokens 2.74)
 at T in {1, 4, 8, 16, 32, 60} and d in {1..6}, and cached as JSON under
 ``<poss cache>/autotune/`` keyed by CPU model, threads, dtype, target and draft fingerprints.
 """
