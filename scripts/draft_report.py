@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [p for p in (str(ROOT / "python"), str(ROOT)) if p not in sys.path]
 
 METHOD_ORDER = {"eagle2": 0, "hass": 1, "poss": 2}
+DRIVER_TRAIN_SIZE = 1000  # scripts/train_smollm2_drafts.sh's TRAIN_SIZE when none is given
 
 
 # -- reading drafts and runs -------------------------------------------------------------------------
@@ -476,7 +477,7 @@ def model_card(d: dict, steps: int) -> str:
         knobs += [f"INIT_EACH={folder}", f"TRAIN_START={data['train_start']}"]
     elif init:
         knobs.append(f"INIT={init['path']}")
-    if data.get("train_size") and data["train_size"] != 1000:
+    if data.get("train_size") and data["train_size"] != DRIVER_TRAIN_SIZE:
         knobs.append(f"TRAIN_SIZE={data['train_size']}")
     if r["epochs"] != 1:
         knobs.append(f"EPOCHS={r['epochs']}")
