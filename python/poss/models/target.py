@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 import poss_ext
+from poss.models.huge_pages import pack_on_huge_pages
 from poss.models.kv_cache import StaticKVCache
 from poss.models.tree import chain_parents
 
@@ -78,9 +79,12 @@ class TargetRunner:
         hf_model: a loaded ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``MistralForCausalLM``.
         max_batch, max_seq: cache capacity (requests, tokens per request incl. the draft tree).
         dtype: compute dtype (float32 / bfloat16 / float16); defaults to the model's.
+        huge_pages: on a CPU, copy the weights onto 2 MB pages (:mod:`poss.models.huge_pages`; a
+            no-op where the OS cannot): a decode step streams them all, and 4 KB pages cost TLB misses.
     """
 
-    def __init__(self, hf_model, max_batch: int, max_seq: int, dtype: Optional[torch.dtype] = None):
+    def __init__(self, hf_model, max_batch: int, max_seq: int, dtype: Optional[torch.dtype] = None,
+                 huge_pages: bool = True):
         cfg = hf_model.config
         check_architecture(cfg)
         if getattr(cfg, "hidden_act", "silu") != "silu":
@@ -105,9 +109,18 @@ class TargetRunner:
         self.embed = hf_model.model.embed_tokens.weight.detach().to(self.dtype)
         self.final_norm_w = hf_model.model.norm.weight.detach().to(self.dtype).contiguous()
         self.lm_head = hf_model.lm_head.weight.detach().to(self.dtype)
+        if huge_pages and self.device.type == "cpu":
+            self._move_weights_to_huge_pages()
         self._fingerprint: Optional[str] = None
         self.cache = StaticKVCache(len(self.layers), max_batch, self.num_kv_heads, max_seq,
                                    self.head_dim, self.dtype, self.device)
+
+    def _move_weights_to_huge_pages(self) -> None:
+        fields = [(p, k) for p in self.layers for k in vars(p)]
+        packed = pack_on_huge_pages([getattr(p, k) for p, k in fields] + [self.embed, self.lm_head, self.final_norm_w])
+        for (p, k), t in zip(fields, packed):
+            setattr(p, k, t)
+        self.embed, self.lm_head, self.final_norm_w = packed[len(fields):]
 
     @property
     def hidden_size(self) -> int:
