@@ -188,8 +188,12 @@ def matches(rows: List[Dict], ref: Dict) -> None:
 def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", drafts: Optional[List[str]] = None,
         fixed=((60, 6), (16, 4), (8, 3), (4, 2)), sweep_draft: str = "poss2",
         llama: bool = True, hf_rows: bool = True, compiled: bool = False, batches: Sequence[int] = (),
-        log=print) -> Dict:
-    """Every row on the real SmolLM2-135M-Instruct (registry) and its shipped drafts."""
+        fixed_all: bool = True, log=print) -> Dict:
+    """Every row on the real SmolLM2-135M-Instruct (registry) and its shipped drafts.
+
+    ``fixed``: the (nodes, depth) trees the ``sweep_draft`` is also timed at; with ``fixed_all`` every
+    other draft is timed at the first of them too (the paper's 60/6 by default).
+    """
     import poss
     from poss import hardware
     from poss.data.eval_sets import load_eval_set
@@ -225,7 +229,7 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
                                     "calibration_seconds": time.perf_counter() - t,
                                     "top": score_table(cal)[:6]}
         measured = {}
-        for T, d in (fixed if folder.name == sweep_draft else fixed[:1]):
+        for T, d in (fixed if folder.name == sweep_draft else fixed[:1 if fixed_all else 0]):
             r = ours(gen, prompts, new, f"{folder.name} {T}/{d}", TreeParams(num_nodes=T, depth=d), "draft")
             r["draft"] = folder.name
             rows.append(r)
@@ -297,11 +301,20 @@ def main(argv=None):
     ap.add_argument("--compile", action="store_true", help="add torch.compile rows (AR and the sweep draft at auto)")
     ap.add_argument("--batch", type=int, nargs="*", default=[], help="also decode this many requests together (e.g. 4 16)")
     ap.add_argument("--sweep-draft", default="poss2", help="the shipped draft also timed at the fixed trees")
+    ap.add_argument("--fixed", nargs="*", default=["60/6", "16/4", "8/3", "4/2"], metavar="NODES/DEPTH",
+                    help="fixed trees the sweep draft is also timed at (none: only auto)")
+    ap.add_argument("--no-fixed-others", action="store_true",
+                    help="time the other drafts at auto only (not also at the first fixed tree)")
     ap.add_argument("--out", default="out/e2e.json")
     args = ap.parse_args(argv)
+    try:
+        fixed = tuple((int(f.split("/")[0]), int(f.split("/")[1])) for f in args.fixed if len(f.split("/")) == 2)
+        assert len(fixed) == len(args.fixed) and all(T >= 1 and d >= 0 for T, d in fixed)
+    except (ValueError, AssertionError):
+        ap.error(f"--fixed: expected NODES/DEPTH pairs such as 60/6, got {args.fixed}")
     res = run(args.prompts, args.new, args.threads, args.dtype, args.drafts, sweep_draft=args.sweep_draft,
               llama=not args.no_llama, hf_rows=not args.no_hf, compiled=args.compile,
-              batches=args.batch)
+              batches=args.batch, fixed=fixed, fixed_all=not args.no_fixed_others)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(f"wrote {args.out} ({res['wall_seconds']:.0f} s)")

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from helpers.targets import eval_prompts, tiny_model
-from poss.models import huge_pages
-from poss.models.huge_pages import huge_pages_available, pack_on_huge_pages
+from poss import huge_pages
+from poss.huge_pages import huge_pages_available, pack_on_huge_pages
 from poss.models.target import TargetRunner
 
 needs_thp = pytest.mark.skipif(not huge_pages_available(), reason="no transparent huge pages here")

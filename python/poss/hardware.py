@@ -67,15 +67,28 @@ def resolve_dtype(dtype: Union[str, torch.dtype], device: Union[str, torch.devic
 
 def read_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
     """Measured memory read bandwidth (GB/s): the best of ``repeats`` sums over a buffer far larger
-    than the caches, the way a decode step streams its weights."""
+    than the caches, the way a decode step streams its weights, on 4 KB pages and (where the OS has
+    them) on 2 MB pages, as the runner's weights are: the roofline is the better of the two."""
+    from poss.huge_pages import pack_on_huge_pages
+
     x = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32)
-    x.sum()  # touch every page before timing
     best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
+    for buf in {id(b): b for b in (x, *pack_on_huge_pages([x]))}.values():
+        buf.sum()  # touch every page before timing
+        for _ in range(repeats):
+            t = time.perf_counter()
+            buf.sum()
+            best = min(best, time.perf_counter() - t)
     return x.numel() * 4 / best / 1e9
+
+
+def transparent_huge_pages() -> str:
+    """The kernel's THP mode (``always`` / ``madvise`` / ``never``; ``n/a`` where it has none)."""
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+        return mode.split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        return "n/a"
 
 
 def describe(dtype: Union[str, torch.dtype, None] = None, threads: int = None) -> Dict:
@@ -88,12 +101,13 @@ def describe(dtype: Union[str, torch.dtype, None] = None, threads: int = None) -
     return {"cpu": cpu_model(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "simd": simd, "fast_bf16": cpu_has_fast_bf16(flags), "threads": threads or torch.get_num_threads(),
             "dtype": str(dt).replace("torch.", "") if dt is not None else None, "torch": torch.__version__,
-            "linear_kernel": poss_ext.ops.cpu_linear_kernel(dt) if dt is not None else None}
+            "linear_kernel": poss_ext.ops.cpu_linear_kernel(dt) if dt is not None else None,
+            "transparent_huge_pages": transparent_huge_pages()}
 
 
 def header(dtype=None, threads: int = None) -> str:
     """One line: CPU model, SIMD, bf16 support, threads and dtype."""
     d = describe(dtype, threads)
     bf16 = "fast bf16 (AMX/AVX512-BF16)" if d["fast_bf16"] else "no hardware bf16"
-    s = f"{d['cpu']} ({d['torch_cpu_capability']}; {bf16}), {d['threads']} threads"
+    s = f"{d['cpu']} ({d['torch_cpu_capability']}; {bf16}; THP {d['transparent_huge_pages']}), {d['threads']} threads"
     return s + (f", {d['dtype']} (GEMM: {d['linear_kernel']})" if d["dtype"] else "")

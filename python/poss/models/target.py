@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 import poss_ext
-from poss.models.huge_pages import pack_on_huge_pages
+from poss.huge_pages import pack_on_huge_pages
 from poss.models.kv_cache import StaticKVCache
 from poss.models.tree import chain_parents
 
@@ -79,7 +79,7 @@ class TargetRunner:
         hf_model: a loaded ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``MistralForCausalLM``.
         max_batch, max_seq: cache capacity (requests, tokens per request incl. the draft tree).
         dtype: compute dtype (float32 / bfloat16 / float16); defaults to the model's.
-        huge_pages: on a CPU, copy the weights onto 2 MB pages (:mod:`poss.models.huge_pages`; a
+        huge_pages: on a CPU, copy the weights onto 2 MB pages (:mod:`poss.huge_pages`; a
             no-op where the OS cannot): a decode step streams them all, and 4 KB pages cost TLB misses.
     """
 
