@@ -73,14 +73,17 @@ struct Epilogue {
 
 // ---- bf16 x bf16 -> fp32 lanes (AVX512-BF16) ----
 
-// The 16 lanes summed as a fixed pairwise tree (what _mm512_reduce_add_ps does, without the GCC 12
-// -Wuninitialized false positive its header triggers).
+// The 16 lanes summed as a fixed pairwise tree: lane l with l ^ 8, then with l ^ 4, l ^ 2, l ^ 1 (the
+// order of _mm512_reduce_add_ps). In registers: a store and scalar adds cost as much as a short
+// row's whole k loop. The zero-masked shuffles are the plain ones (all 16 lanes kept) without the
+// GCC 12 -Wuninitialized false positive of their unmasked forms.
 POSS_AVX512BF16 inline float hsum512(__m512 v) {
-  alignas(64) float t[16];
-  _mm512_store_ps(t, v);
-  for (int w = 8; w > 0; w /= 2)
-    for (int l = 0; l < w; ++l) t[l] += t[l + w];
-  return t[0];
+  constexpr __mmask16 all = 0xFFFF;
+  v = _mm512_add_ps(v, _mm512_maskz_shuffle_f32x4(all, v, v, _MM_SHUFFLE(1, 0, 3, 2)));
+  v = _mm512_add_ps(v, _mm512_maskz_shuffle_f32x4(all, v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+  v = _mm512_add_ps(v, _mm512_maskz_permute_ps(all, v, _MM_SHUFFLE(1, 0, 3, 2)));
+  v = _mm512_add_ps(v, _mm512_maskz_permute_ps(all, v, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_cvtss_f32(v);
 }
 
 struct Bf16Avx512 {
