@@ -164,6 +164,19 @@ def compiled_rows(gen, prompts, new: int, draft_name: str, auto: Optional[Dict],
     return rows
 
 
+def small_pages_row(gen, model, prompts, new: int) -> Dict:
+    """Our AR loop on a second runner over the HF ``model`` (``gen``'s target), its weights left on 4 KB
+    pages (``huge_pages=False``)."""
+    from poss.decode.generator import Generator
+    from poss.models.target import TargetRunner
+
+    runner = TargetRunner(model, max_batch=1, max_seq=256, dtype=gen.runner.dtype, huge_pages=False)
+    plain = Generator(runner, tokenizer=gen.tokenizer, end_ids=gen.end_ids)
+    row = ours(plain, prompts, new, "our AR loop, 4 KB pages")
+    row["bandwidth"] = bandwidth(row, runner)
+    return row
+
+
 def weight_bytes(runner) -> int:
     """Bytes an AR step streams: every layer weight, the final norm and the lm_head."""
     n = sum(t.numel() * t.element_size() for lp in runner.layers for t in vars(lp).values()
@@ -188,17 +201,19 @@ def matches(rows: List[Dict], ref: Dict) -> None:
 def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", drafts: Optional[List[str]] = None,
         fixed=((60, 6), (16, 4), (8, 3), (4, 2)), sweep_draft: str = "poss2",
         llama: bool = True, hf_rows: bool = True, compiled: bool = False, batches: Sequence[int] = (),
-        fixed_all: bool = True, log=print) -> Dict:
+        fixed_all: bool = True, pages_row: bool = True, log=print) -> Dict:
     """Every row on the real SmolLM2-135M-Instruct (registry) and its shipped drafts.
 
     ``fixed``: the (nodes, depth) trees the ``sweep_draft`` is also timed at; with ``fixed_all`` every
-    other draft is timed at the first of them too (the paper's 60/6 by default).
+    other draft is timed at the first of them too (the paper's 60/6 by default). ``pages_row``: our AR
+    loop again with the weights on 4 KB pages (what 2 MB pages buy), where the OS has huge pages.
     """
     import poss
     from poss import hardware
     from poss.data.eval_sets import load_eval_set
     from poss.decode.autotune import calibrate, choose, score_table
     from poss.decode.params import TreeParams
+    from poss.huge_pages import huge_pages_available
     from poss.models.draft import PosSDraft
     from poss.models.registry import fetch_gguf, load_model, resolve, shipped_drafts
 
@@ -218,6 +233,9 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
     ar["bandwidth"] = bandwidth(ar, gen.runner)
     rows = [ar]
     log(f"  {ar['name']}: {ar['tokens_per_s']:.1f} tok/s")
+    if pages_row and huge_pages_available():
+        rows.append(small_pages_row(gen, load_model(resolve("smollm2-135m"), dtype=dt)[1], prompts, new))
+        log(f"  {rows[-1]['name']}: {rows[-1]['tokens_per_s']:.1f} tok/s")
     for folder in shipped_drafts("smollm2-135m"):
         if drafts and folder.name not in drafts:
             continue
@@ -305,6 +323,7 @@ def main(argv=None):
                     help="fixed trees the sweep draft is also timed at (none: only auto)")
     ap.add_argument("--no-fixed-others", action="store_true",
                     help="time the other drafts at auto only (not also at the first fixed tree)")
+    ap.add_argument("--no-pages-row", action="store_true", help="skip the AR row on 4 KB pages")
     ap.add_argument("--out", default="out/e2e.json")
     args = ap.parse_args(argv)
     try:
@@ -314,7 +333,7 @@ def main(argv=None):
         ap.error(f"--fixed: expected NODES/DEPTH pairs such as 60/6, got {args.fixed}")
     res = run(args.prompts, args.new, args.threads, args.dtype, args.drafts, sweep_draft=args.sweep_draft,
               llama=not args.no_llama, hf_rows=not args.no_hf, compiled=args.compile,
-              batches=args.batch, fixed=fixed, fixed_all=not args.no_fixed_others)
+              batches=args.batch, fixed=fixed, fixed_all=not args.no_fixed_others, pages_row=not args.no_pages_row)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(f"wrote {args.out} ({res['wall_seconds']:.0f} s)")
@@ -333,6 +352,7 @@ def tiny():
 
 def test_rows_tiny(benchmark, tiny, bench_threads, tmp_path, monkeypatch):
     from poss.decode.params import TreeParams
+    from poss.huge_pages import huge_pages_available
 
     monkeypatch.setenv("POSS_CACHE", str(tmp_path))
     model, gen, prompts = tiny
@@ -346,6 +366,9 @@ def test_rows_tiny(benchmark, tiny, bench_threads, tmp_path, monkeypatch):
             ours(gen, prompts, 16, "60/6", TreeParams()), hf(model, prompts, 16, "HF generate"),
             hf(model, prompts, 16, "HF prompt lookup", prompt_lookup_num_tokens=10),
             batch_row(gen, prompts, 16, 2, "auto, batch 2", auto, "draft")]
+    if huge_pages_available():
+        rows.append(small_pages_row(gen, model, prompts, 16))
+        assert rows[-1]["bandwidth"]["steps"] == ar["rounds"]
     bw = bandwidth(ar, gen.runner)
     assert bw["steps"] == ar["rounds"] and bw["achieved_gbs"] > 0
     matches(rows, ar)
