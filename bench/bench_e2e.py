@@ -213,7 +213,7 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
     from poss.data.eval_sets import load_eval_set
     from poss.decode.autotune import calibrate, choose, score_table
     from poss.decode.params import TreeParams
-    from poss.huge_pages import huge_pages_available
+    from poss.huge_pages import huge_page_bytes, huge_pages_available
     from poss.models.draft import PosSDraft
     from poss.models.registry import fetch_gguf, load_model, resolve, shipped_drafts
 
@@ -226,6 +226,7 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
     log(out["header"])
     t0 = time.perf_counter()
     gen = poss.load("smollm2-135m", dtype=dt)
+    out["huge_page_mb"] = huge_page_bytes() / 2**20  # how much of the process the kernel put on 2 MB pages
     questions = load_eval_set("mt_bench")
     prompts = [gen.encode(r["turns"][0]) for r in questions[:n_prompts]]
     batch_prompts = [gen.encode(r["turns"][0]) for r in questions[:max(batches, default=0)]]

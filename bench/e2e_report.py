@@ -20,7 +20,9 @@ def table(res: Dict) -> str:
     lines = [f"Machine: {res['header']}. {res['prompts']} MT-Bench prompts x {res['new_tokens']} new tokens, "
              "batch 1, greedy." + (f" Load average {res['loadavg_start'][0]:.1f} at the start, "
                                    f"{res['loadavg_end'][0]:.1f} at the end (2 cores, shared)."
-                                   if "loadavg_end" in res else ""), "",
+                                   if "loadavg_end" in res else "")
+             + (f" {res['huge_page_mb']:.0f} MB of the process on 2 MB pages after loading."
+                if "huge_page_mb" in res else ""), "",
              "| system | tree (nodes/depth) | tokens/s | x our AR | x HF generate | tau "
              "| ms per round: draft / verify / commit / host | identical to our AR |",
              "|---|---|---|---|---|---|---|---|"]
