@@ -145,3 +145,43 @@ def test_device_mismatch_is_an_error():
     x, w, _, _ = inputs(2, 8, 16, torch.float32, 0)
     with pytest.raises(RuntimeError, match="weight must be on the same device as x"):
         poss_ext.ops.linear(x.cuda(), w)
+
+
+@pytest.mark.parametrize("dtype,lanes,per_lane", [(torch.bfloat16, 16, 2), (torch.float32, 8, 1)])
+@pytest.mark.parametrize("M", [1, 4, 8])
+def test_lanes_are_summed_in_the_documented_pairwise_order(dtype, lanes, per_lane, M):
+    """The kernels' fixed order (csrc/cpu/linear.cpp): SIMD lane l accumulates elements per_lane*l ..
+    per_lane*l + per_lane - 1 of each K-chunk, then the lanes are summed as a pairwise tree (lane l with
+    l + lanes/2, then with l + lanes/4, ...). With one chunk and one nonzero product per lane, each lane
+    holds an exact product, and lane values ±2^25 and 1 make the order visible: the tree cancels the
+    big pair first, a left-to-right sum loses the ones to rounding."""
+    if not OURS[dtype]:
+        pytest.skip(f"this CPU runs the vendor GEMM for {dtype}")
+    import numpy as np
+
+    big = 2.0 ** 25
+    v = np.ones(lanes, dtype=np.float32)
+    v[0], v[lanes // 2] = big, -big
+
+    def tree(a):
+        a, n = a.copy(), len(a)
+        while n > 1:
+            n //= 2
+            a[:n] = a[:n] + a[n:2 * n]
+        return float(a[0])
+
+    def left_to_right(a):
+        s = np.float32(0)
+        for t in a:
+            s = np.float32(s + t)
+        return float(s)
+
+    want = tree(v)
+    assert want != left_to_right(v)  # the values do tell the orders apart
+    K = lanes * per_lane
+    x = torch.zeros(M, K)
+    w = torch.zeros(9, K)
+    x[:, ::per_lane] = torch.where(torch.from_numpy(v).abs() == big, 2.0 ** 12, 1.0)
+    w[:, ::per_lane] = torch.from_numpy(v) / x[0, ::per_lane]  # x * w = v exactly (powers of two and ones)
+    out = poss_ext.ops.linear(x.to(dtype), w.to(dtype))
+    assert torch.equal(out.float(), torch.full((M, 9), want).to(dtype).float())
