@@ -308,6 +308,14 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
     return out
 
 
+def tree_of(text: str):
+    """``"60/6"`` -> ``(60, 6)``; ValueError for anything else."""
+    nodes, depth = (int(x) for x in text.split("/"))  # ValueError: not two integers
+    if nodes < 1 or depth < 0:
+        raise ValueError(text)
+    return nodes, depth
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=16)
@@ -328,10 +336,9 @@ def main(argv=None):
     ap.add_argument("--out", default="out/e2e.json")
     args = ap.parse_args(argv)
     try:
-        fixed = tuple((int(f.split("/")[0]), int(f.split("/")[1])) for f in args.fixed if len(f.split("/")) == 2)
-        assert len(fixed) == len(args.fixed) and all(T >= 1 and d >= 0 for T, d in fixed)
-    except (ValueError, AssertionError):
-        ap.error(f"--fixed: expected NODES/DEPTH pairs such as 60/6, got {args.fixed}")
+        fixed = tuple(tree_of(f) for f in args.fixed)
+    except ValueError:
+        ap.error(f"--fixed: expected NODES/DEPTH pairs such as 60/6 (nodes >= 1, depth >= 0), got {args.fixed}")
     res = run(args.prompts, args.new, args.threads, args.dtype, args.drafts, sweep_draft=args.sweep_draft,
               llama=not args.no_llama, hf_rows=not args.no_hf, compiled=args.compile,
               batches=args.batch, fixed=fixed, fixed_all=not args.no_fixed_others, pages_row=not args.no_pages_row)
