@@ -149,7 +149,7 @@ def compiled_rows(gen, prompts, new: int, draft_name: str, auto: Optional[Dict],
     log(f"  {rows[0]['name']}: {rows[0]['tokens_per_s']:.1f} tok/s (compiled in {rows[0]['compile_seconds']:.0f} s)")
     folder = next((f for f in shipped_drafts("smollm2-135m") if f.name == draft_name), None)
     if folder is not None and auto is not None:
-        T, d = (int(x) for x in auto["tree"].split("/"))
+        T, d = tree_of(auto["tree"])
         if d:
             gen.draft = PosSDraft.load(folder, dtype=gen.runner.dtype).attach(gen.runner, 1, 256)
             gen.draft.step = torch.compile(gen.draft.step, mode=None)
@@ -272,7 +272,7 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
         log(f"  {rows[-1]['name']}: {rows[-1]['tokens_per_s']:.1f} tok/s")
         folder = next((f for f in shipped_drafts("smollm2-135m") if f.name == sweep_draft), None)
         if folder is not None and sweep_draft in out["auto"]:
-            T, d = (int(x) for x in out["auto"][sweep_draft]["tree"].split("/"))
+            T, d = tree_of(out["auto"][sweep_draft]["tree"])
             gen.draft = PosSDraft.load(folder, dtype=dt).attach(gen.runner, 1, 256)
             tree = TreeParams(num_nodes=T, depth=d)
             rows.append(batch_row(gen, batch_prompts, new, B, f"{sweep_draft} auto (= {T}/{d}), batch {B}", tree,
