@@ -110,7 +110,8 @@ class BuildExt(cpp_extension.BuildExtension):
 EXT, ARCH_LIST = extension()
 # The trained drafts in drafts/ install as data of poss (poss/drafts/<name>/...), where
 # poss.models.registry.shipped_draft finds them.
-DRAFT_PACKAGE = ["poss.drafts"] if os.path.isdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "drafts")) else []
+DRAFT_PACKAGE = (["poss.drafts"] if os.path.isdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "drafts"))
+                 else [])
 
 setup(
     packages=find_packages(include=["poss_ext", "poss_ext.*"])

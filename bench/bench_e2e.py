@@ -326,7 +326,8 @@ def main(argv=None):
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--compile", action="store_true", help="add torch.compile rows (AR and the sweep draft at auto)")
-    ap.add_argument("--batch", type=int, nargs="*", default=[], help="also decode this many requests together (e.g. 4 16)")
+    ap.add_argument("--batch", type=int, nargs="*", default=[],
+                    help="also decode this many requests together (e.g. 4 16)")
     ap.add_argument("--sweep-draft", default="poss2", help="the shipped draft also timed at the fixed trees")
     ap.add_argument("--fixed", nargs="*", default=["60/6", "16/4", "8/3", "4/2"], metavar="NODES/DEPTH",
                     help="fixed trees the sweep draft is also timed at (none: only auto)")

@@ -93,7 +93,8 @@ def main(argv=None):
     for name, p in rows:
         total = sum(p.get(k, 0.0) for k in ("draft", "verify", "commit", "host"))
         print(f"| {name} | {p.get('draft', 0):.1f} | {p['verify']:.1f} | {p['commit']:.2f} | {p['host']:.2f} | "
-              f"{total:.1f} | {p['rounds']} | {p['tokens'] / max(p['rounds'], 1):.2f} | {p['tokens'] / p['wall_s']:.2f} |")
+              f"{total:.1f} | {p['rounds']} | {p['tokens'] / max(p['rounds'], 1):.2f} | "
+              f"{p['tokens'] / p['wall_s']:.2f} |")
 
 
 # -- pytest-benchmark form: one round of the loop on a tiny model ---------------------------------

@@ -6,8 +6,9 @@
 Verify rounds of SmolLM2-135M (Hq = 9, Hkv = 3, D = 64): a random tree of N = 60 nodes that all
 query (Nq = N), prefixes of 512 and 2048 slots, B = 1 and 4, bf16. One timed call is one op call
 followed by a synchronize, so it includes what the host spends launching (Python argument checks
-and up to three kernels, two fills and an assert for Triton; one C++ call for the CUDA op): what an eager decode round pays. The
-`triton / poss` column says how many times longer the Triton path took. Skipped without a GPU, and
+and up to three kernels, two fills and an assert for Triton; one C++ call for the CUDA op): what an
+eager decode round pays. The `triton / poss` column says how many times longer the Triton path
+took. Skipped without a GPU, and
 the CUDA op's row when POSS_ATTENTION=triton makes the op itself the Triton kernel.
 """
 

@@ -38,7 +38,8 @@ def ratio(a, b):
 
 def tree_verify_table(rows):
     lines = [
-        "| B | V | dtype | argmax floor (ms) | greedy (ms) | greedy / floor | sampling (ms) | sampling / floor | reference greedy / greedy | reference sampling / sampling |",
+        "| B | V | dtype | argmax floor (ms) | greedy (ms) | greedy / floor | sampling (ms) | sampling / floor | "
+        "reference greedy / greedy | reference sampling / sampling |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key in sorted(rows, key=lambda k: (rows[k]["_info"]["V"], rows[k]["_info"]["dtype"], rows[k]["_info"]["B"])):
@@ -46,7 +47,8 @@ def tree_verify_table(rows):
         i = r["_info"]
         floor, greedy, sampling = r.get("argmax_floor"), r.get("greedy"), r.get("sampling")
         lines.append(
-            f"| {i['B']} | {i['V']} | {i['dtype'].split('.')[-1]} | {ms(floor)} | {ms(greedy)} | {ratio(greedy, floor)} | "
+            f"| {i['B']} | {i['V']} | {i['dtype'].split('.')[-1]} | {ms(floor)} | {ms(greedy)} | "
+            f"{ratio(greedy, floor)} | "
             f"{ms(sampling)} | {ratio(sampling, floor)} | {ratio(r.get('reference_greedy'), greedy)} | "
             f"{ratio(r.get('reference_sampling'), sampling)} |"
         )
@@ -60,11 +62,13 @@ def plot(rows, png):
     import matplotlib.pyplot as plt
 
     keys = sorted(rows, key=lambda k: (rows[k]["_info"]["V"], rows[k]["_info"]["dtype"], rows[k]["_info"]["B"]))
-    labels = [f"B{rows[k]['_info']['B']}\nV{rows[k]['_info']['V'] // 1000}k\n{rows[k]['_info']['dtype'].split('.')[-1]}" for k in keys]
+    labels = [f"B{rows[k]['_info']['B']}\nV{rows[k]['_info']['V'] // 1000}k\n{rows[k]['_info']['dtype'].split('.')[-1]}"
+              for k in keys]
     fig, ax = plt.subplots(figsize=(12, 4.5))
     width = 0.28
     for j, impl in enumerate(["argmax_floor", "greedy", "sampling"]):
-        ax.bar([x + (j - 1) * width for x in range(len(keys))], [rows[k].get(impl, 0) * 1e3 for k in keys], width, label=impl)
+        ax.bar([x + (j - 1) * width for x in range(len(keys))], [rows[k].get(impl, 0) * 1e3 for k in keys], width,
+               label=impl)
     ax.set_xticks(range(len(keys)), labels, fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("median time (ms, log)")

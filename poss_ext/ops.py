@@ -262,7 +262,9 @@ def _rms_norm_fake(x, weight, eps):
 
 
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
-    """``sum = x + residual`` (rounded to x's dtype), ``out = rms_norm(sum)``; returns ``(out, sum)``, both ``[..., H]``."""
+    """``sum = x + residual`` (rounded to x's dtype), ``out = rms_norm(sum)``; returns ``(out, sum)``,
+    both ``[..., H]``.
+    """
     return torch.ops.poss.add_rms_norm(x, residual, weight, eps)
 
 

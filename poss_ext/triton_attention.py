@@ -405,7 +405,8 @@ def plan(parents: Tensor, prefix_len: Tensor, S: int) -> Tuple[Tensor, Tensor]:
     _plan_kernel[(B,)](parents, prefix_len, info, mask, ok, N, S, M,
                        BLOCK=block, BLOCK_TREE=max(16, triton.next_power_of_2(M)), MAX_NODES=MAX_TREE_NODES)
     if parents.is_cuda:
-        torch._assert_async(ok, "tree_attention (Triton): invalid parents or prefix_len (see poss_ext.ops.tree_attention)")
+        torch._assert_async(ok, "tree_attention (Triton): invalid parents or prefix_len "
+                                "(see poss_ext.ops.tree_attention)")
     elif not bool(ok):
         _raise_value_error(info, parents, prefix_len, S)
     return info, mask

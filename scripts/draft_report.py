@@ -85,7 +85,9 @@ def run_config(run: Path) -> Optional[dict]:
 
 
 def val_epochs(run: Path) -> List[dict]:
-    """The run's per-epoch held-out validations, one per epoch (a resumed run may log an epoch twice: the last counts)."""
+    """The run's per-epoch held-out validations, one per epoch (a resumed run may log an epoch twice: the
+    last counts).
+    """
     by_epoch = {}
     path = run / "metrics.jsonl"
     for line in (path.read_text().splitlines() if path.is_file() else []):
@@ -123,7 +125,8 @@ def init_of(cfg: dict, run: Optional[Path], init_dir: Optional[Path]) -> Optiona
         rec = t["init_from"]
         if rec is None:
             return None
-        facts = init_summary({"training": rec["training"]}, rec["path"]) if rec.get("training") else {"path": rec["path"]}
+        facts = (init_summary({"training": rec["training"]}, rec["path"]) if rec.get("training")
+                 else {"path": rec["path"]})
         return {**facts, "recorded": True}
     if init_dir is None or not on_policy(cfg) or (run is not None and run.resolve() in init_dir.resolve().parents):
         return None
@@ -219,7 +222,8 @@ def pct(xs) -> str:
 
 def table(rows: List[dict], steps: int) -> str:
     head = (f"| draft | specialists | positions trained | epochs | train time | token-passes | "
-            f"val loss (mean @1..{steps}) | " + " | ".join(f"acc@{k + 1}" for k in range(steps)) + f" | mean acc@1..{steps} |")
+            f"val loss (mean @1..{steps}) | " + " | ".join(f"acc@{k + 1}" for k in range(steps))
+            + f" | mean acc@1..{steps} |")
     lines = [head, "|" + "---|" * (8 + steps)]
     for d in rows:
         t, acc = d["cfg"]["training"], d["val"]["acc"]
@@ -235,7 +239,8 @@ def scored_on(rows: List[dict]) -> str:
     """One line naming the held-out split(s) and the precision every row was scored in."""
     keys = {(d["val"]["key"]["split"], d["val"]["key"]["val_fingerprint"], d["val"]["key"]["n_val"], d["val"]["tokens"])
             for d in rows}
-    splits = "; ".join(f"{s} (fingerprint `{fp}`, {n} conversations, {tok:,} answer tokens)" for s, fp, n, tok in sorted(keys))
+    splits = "; ".join(f"{s} (fingerprint `{fp}`, {n} conversations, {tok:,} answer tokens)"
+                       for s, fp, n, tok in sorted(keys))
     k = rows[0]["val"]["key"]
     return f"held-out split: {splits}; target {k['dtype']}, draft fp32 weights under {k['autocast']} autocast"
 
@@ -261,8 +266,10 @@ def plot_steps(rows: List[dict], steps: int, path: Path) -> None:
     fig, (ax, dx) = plt.subplots(1, 2, figsize=(12, 4.4))
     x = range(1, steps + 1)
     # One color per method; the drafts that are not runs of this report (an init, baselines) dashed.
-    methods = sorted({(METHOD_ORDER.get(d["recipe"]["method"], 3), d["recipe"]["positions_per_specialist"]) for d in rows})
-    colors = {id(d): f"C{methods.index((METHOD_ORDER.get(d['recipe']['method'], 3), d['recipe']['positions_per_specialist']))}"
+    methods = sorted({(METHOD_ORDER.get(d["recipe"]["method"], 3), d["recipe"]["positions_per_specialist"])
+                      for d in rows})
+    colors = {id(d):
+              f"C{methods.index((METHOD_ORDER.get(d['recipe']['method'], 3), d['recipe']['positions_per_specialist']))}"
               for d in rows}
     for d in rows:
         style = {"ls": "--", "alpha": 0.6, "color": colors[id(d)]} if d["run"] is None else {"color": colors[id(d)]}
@@ -307,7 +314,8 @@ def precision(training: dict) -> str:
         f", target {dtype}" if dtype else "")
 
 
-def learning_curves(init_curve: dict, runs: List[Path], init_row: Optional[dict], init_dir: Optional[Path]) -> List[dict]:
+def learning_curves(init_curve: dict, runs: List[Path], init_row: Optional[dict],
+                    init_dir: Optional[Path]) -> List[dict]:
     """Curves of (token-passes, acc@1, epoch) points: the init run's, the init draft re-scored here, and every
     run with per-epoch validations, counted from where the init stopped when it started from it (``start``:
     the re-scored init, drawn as the first point of the line, not listed again in the table)."""
@@ -334,7 +342,8 @@ def learning_curves(init_curve: dict, runs: List[Path], init_row: Optional[dict]
         recorded_path = (cfg["training"].get("init_from") or {}).get("path")
         from_init = init is not None and (not init["recorded"] or (
             init_dir is not None and repo_path(recorded_path).resolve() == init_dir.resolve()))
-        curves.append({"label": f"{method_label(cfg['training']['recipe'])} (`{run.parent.name}/{run.name}`)", "kind": "run",
+        curves.append({"label": f"{method_label(cfg['training']['recipe'])} (`{run.parent.name}/{run.name}`)",
+                       "kind": "run",
                        "measured": f"per-epoch validation, {precision(cfg['training'])}",
                        "start": rescored if from_init else None,
                        "points": [(offset + p["tokens"], p["val"]["acc"][0], p["epoch"]) for p in points]})
@@ -411,7 +420,8 @@ def method_text(c: dict, r: dict) -> str:
         what = f"{name}: {r['steps']} aligned training steps (the draft's own features feed the later ones)"
     if r["method"] != "poss":
         return f"{what}; 1 layer for every position"
-    return f"{what}; {c['n_specialists']} specialists, {plural(c['positions_per_specialist'], 'position')} per specialist"
+    return (f"{what}; {c['n_specialists']} specialists, "
+            f"{plural(c['positions_per_specialist'], 'position')} per specialist")
 
 
 def answers(d: dict) -> str:
@@ -491,10 +501,18 @@ Weights are fp16 ({d['mb']:.1f} MB).
 - **Method:** {method_text(c, r)}.
 - **Data:** {data_text(data, epochs)}.
 - **Initialisation:** {init_text(init, r)}.
-- **Recipe:** {plural(epochs, 'epoch')}, {passes}; AdamW lr {r['lr']:g}, betas {tuple(r['betas'])}, weight decay {r['weight_decay']}, linear warmup {r['warmup_frac']:.0%} then linear decay over {plural(r['epochs'], 'epoch')}{stop}, `clip_grad_value_` {r['clip_value']}, uniform feature noise (std {r['noise_std']}), {losses}, {precision(t)}, batch size {r['batch_size']}, seed {r['seed']}.
+- **Recipe:** {plural(epochs, 'epoch')}, {passes}; AdamW lr {r['lr']:g}, betas {tuple(r['betas'])}, \
+weight decay {r['weight_decay']}, linear warmup {r['warmup_frac']:.0%} then linear decay over \
+{plural(r['epochs'], 'epoch')}{stop}, `clip_grad_value_` {r['clip_value']}, uniform feature noise \
+(std {r['noise_std']}), {losses}, {precision(t)}, batch size {r['batch_size']}, seed {r['seed']}.
 - **Training time:** {d['minutes']:.0f} min{seconds} on {machine_text(t)}, cached target features.
-- **Validation at the end of training** (held out, {precision(t)}): loss {mean(d['train_val'].get('loss', [])):.3f} (mean over the trained steps), top-1 agreement per trained step {pct(d['train_val'].get('acc', []))} %.
-- **Validation over {steps} draft positions** (this fp16 file, `poss train --validate --steps {steps}`, target {k['dtype']}, draft under {k['autocast']} autocast, {v['tokens']:,} held-out answer tokens, split `{k['val_fingerprint']}`): top-1 agreement per position {pct(v['acc'])} % (loss {' / '.join(f'{x:.3f}' for x in v['loss'])}).{misses}
+- **Validation at the end of training** (held out, {precision(t)}): \
+loss {mean(d['train_val'].get('loss', [])):.3f} (mean over the trained steps), \
+top-1 agreement per trained step {pct(d['train_val'].get('acc', []))} %.
+- **Validation over {steps} draft positions** (this fp16 file, `poss train --validate --steps {steps}`, \
+target {k['dtype']}, draft under {k['autocast']} autocast, {v['tokens']:,} held-out answer tokens, \
+split `{k['val_fingerprint']}`): top-1 agreement per position {pct(v['acc'])} % \
+(loss {' / '.join(f'{x:.3f}' for x in v['loss'])}).{misses}
 
 Reproduce: `{driver}`, then `python scripts/draft_report.py runs --ship {d['name']}`.
 """
@@ -518,7 +536,8 @@ def report_text(rows: List[dict], curves: List[dict], a) -> str:
     return f"""# Draft accuracy over {a.steps} draft positions
 
 `python scripts/draft_report.py RUNS --data {shown(a.data)}` ({today}): every finished run's fp16 draft and the
-shared init scored by `poss train --validate DRAFT --steps {a.steps}`; {scored_on(rows)}; on {header(a.dtype_name, a.threads)}.
+shared init scored by `poss train --validate DRAFT --steps {a.steps}`; {scored_on(rows)}; \
+on {header(a.dtype_name, a.threads)}.
 acc@k is the top-1 agreement of the draft's k-th step with the target; token-passes count each run's own training
 tokens (the init's are not included); train time is wall-clock.
 
@@ -590,7 +609,8 @@ def main(argv=None) -> int:
         cfg = read_json(a.init / "config.json")
         cache = cache_root() / "draft-report" / f"{a.init.name}-val-steps{a.steps}.json"
         epoch = cfg["training"].get("epoch")
-        label = a.init_label or f"{method_label(cfg['training']['recipe'])} init" + (f" (epoch {epoch})" if epoch else "")
+        label = a.init_label or f"{method_label(cfg['training']['recipe'])} init" + (
+            f" (epoch {epoch})" if epoch else "")
         init_row = describe(a.init.name, a.init, cfg, validation(a.init, cfg, cache, a), None, None, label)
         rows.append(init_row)
     for arg in a.baselines:
@@ -601,7 +621,8 @@ def main(argv=None) -> int:
         from poss.models.downloads import cache_root
 
         cfg = read_json(base / "config.json")
-        cache = cache_root() / "draft-report" / f"{base.name}-{file_digest(base / 'model.safetensors')}-val-steps{a.steps}.json"
+        cache = (cache_root() / "draft-report"
+                 / f"{base.name}-{file_digest(base / 'model.safetensors')}-val-steps{a.steps}.json")
         label = f"{method_label(cfg['training']['recipe'])} {own_label or a.baseline_label}"
         rows.append(describe(base.name, base, cfg, validation(base, cfg, cache, a), None, None, label))
     rows.sort(key=sort_key)

@@ -5,7 +5,8 @@
 For each draft, generates greedily for the first ``--prompts`` first-turn prompts of each eval set
 (the sets packaged in ``poss.data``, or JSONL files of the same form) and reports tau (tokens per
 verify round) and, per draft position k, the acceptance rate
-alpha_k = P(round accepts >= k tokens | it accepted >= k-1), the per-position metric of the PosS paper. Every draft's output is checked to be token-identical to plain decoding.
+alpha_k = P(round accepts >= k tokens | it accepted >= k-1), the per-position metric of the PosS
+paper. Every draft's output is checked to be token-identical to plain decoding.
 """
 
 import argparse

@@ -88,7 +88,8 @@ def main(argv=None) -> int:
         ms = [p["ms"].get(k, 0.0) for k in ("draft", "verify", "commit", "host")]
         lines.append(f"| {T}/{d} | {p['tau']:.2f} | {p['tokens_per_s']:.1f} | "
                      + " | ".join(f"{x:.1f}" for x in ms) + f" | {sum(ms):.1f} | "
-                     + " | ".join(f"{100 * shares.get(g, 0.0):.0f}" for g in [g for g, _ in GROUPS] + ["everything else"])
+                     + " | ".join(f"{100 * shares.get(g, 0.0):.0f}"
+                                  for g in [g for g, _ in GROUPS] + ["everything else"])
                      + " |")
         print(lines[-1], file=sys.stderr, flush=True)
     md = "\n".join(lines) + "\n"

@@ -97,7 +97,8 @@ def main(argv=None) -> int:
         for e in errors[:3]:
             print(f"concurrency {c}: error: {e}", file=sys.stderr)
     print(f"model `{model}`, {args.requests} streaming chat requests per level, max_tokens {args.max_tokens}, greedy\n")
-    print("| concurrency | done | errors | seconds | requests/s | tokens/s | mean latency (s) | median TTFT (s) | tau |")
+    print("| concurrency | done | errors | seconds | requests/s | tokens/s | mean latency (s) | "
+          "median TTFT (s) | tau |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for c, done, err, wall, rps, tps, lat, ttft, tau in rows:
         print(f"| {c} | {done} | {err} | {wall:.1f} | {rps:.2f} | {tps:.1f} | {lat:.2f} | {ttft:.2f} | {tau:.2f} |")

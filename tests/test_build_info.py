@@ -52,7 +52,8 @@ def test_import_from_a_checkout_without_the_library(tmp_path):
     checkout.mkdir()
     for f in Path(poss_ext.__file__).parent.glob("*.py"):
         shutil.copy(f, checkout / f.name)
-    code = "import poss_ext, torch; poss_ext.build_info(); print(poss_ext.ops.__file__); print(torch.ops.poss.tree_verify)"
+    code = ("import poss_ext, torch; poss_ext.build_info(); print(poss_ext.ops.__file__); "
+            "print(torch.ops.poss.tree_verify)")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=str(built.parent)))
     assert out.returncode == 0, out.stderr

@@ -219,7 +219,8 @@ def random_candidates(gen, B, M, tie_levels, empty_frac):
 
 
 @pytest.mark.parametrize("device", devices())
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(
     B=st.integers(1, 4),
     M=st.integers(0, 70),
@@ -308,20 +309,24 @@ SGL_SCORES = [
 SGL_TOKENS = [
     [[29896, 29906, 29900, 29945], [13, 2, 29871, 28956]],
     [
-        [29889, 29974, 29945, 29900, 29974, 29922, 29930, 29958, 29889, 29974, 29930, 29945, 29974, 29922, 29930, 29958],
+        [29889, 29974, 29945, 29900, 29974, 29922, 29930, 29958,
+         29889, 29974, 29930, 29945, 29974, 29922, 29930, 29958],
         [22550, 4136, 16492, 8439, 29871, 2, 3001, 13, 2, 13, 29906, 29946, 2, 13, 29871, 259],
     ],
     [
-        [29946, 29945, 29953, 29906, 29896, 29945, 29900, 29906, 29896, 29945, 29906, 29953, 29896, 29945, 29906, 29946],
+        [29946, 29945, 29953, 29906, 29896, 29945, 29900, 29906,
+         29896, 29945, 29906, 29953, 29896, 29945, 29906, 29946],
         [29871, 2, 29901, 29889, 29871, 2, 395, 259, 29901, 29871, 2, 29889, 3001, 1234, 7146, 2186],
     ],
     [
-        [29946, 29974, 29945, 29930, 29889, 29922, 29974, 29930, 29974, 29946, 29930, 29922, 29889, 29974, 29945, 29922],
+        [29946, 29974, 29945, 29930, 29889, 29922, 29974, 29930,
+         29974, 29946, 29930, 29922, 29889, 29974, 29945, 29922],
         [29941, 29906, 2, 29946, 29871, 450, 319, 14990, 29946, 29941, 2, 29906, 29871, 2, 3001, 13],
     ],
 ]
 # SGLang's parents_list without its last entry (that one describes the next frontier).
-SGL_PARENTS = [[[-1, 0, 1, 2, 3], [-1, 0, 1, 2, 3]], [[4, 8, 9, 10], [4, 5, 6, 7]], [[20, 24, 21, 28], [24, 28, 20, 21]]]
+SGL_PARENTS = [[[-1, 0, 1, 2, 3], [-1, 0, 1, 2, 3]], [[4, 8, 9, 10], [4, 5, 6, 7]],
+               [[20, 24, 21, 28], [24, 28, 20, 21]]]
 
 
 def lcrs(parents_row):
@@ -392,7 +397,8 @@ def good_args():
         (dict(cand_parents=torch.tensor([[-1, 0, 2]], dtype=torch.int32)), r"cand_parents\[0, 2\] = 2"),
         (dict(cand_parents=torch.tensor([[0, 0, 1]], dtype=torch.int32)), r"cand_parents\[0, 0\] = 0"),
         (dict(cand_parents=torch.tensor([[-1, -3, 1]], dtype=torch.int32)), r"cand_parents\[0, 1\] = -3"),
-        (dict(cand_parents=torch.tensor([[-2, 0, 1]], dtype=torch.int32)), r"cand_parents\[0, 1\] = 0 points to an empty"),
+        (dict(cand_parents=torch.tensor([[-2, 0, 1]], dtype=torch.int32)),
+         r"cand_parents\[0, 1\] = 0 points to an empty"),
         (dict(cand_scores=torch.tensor([[-1.0, math.nan, -3.0]])), r"cand_scores\[0, 1\] is NaN"),
     ],
 )

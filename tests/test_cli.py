@@ -287,7 +287,8 @@ def test_train_bad_inputs(bad, flag, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("bad,flag", [
-    (["--prompts", "0"], "--prompts"), (["--val-prompts", "-1"], "--val-prompts"), (["--batch-size", "0"], "--batch-size"),
+    (["--prompts", "0"], "--prompts"), (["--val-prompts", "-1"], "--val-prompts"),
+    (["--batch-size", "0"], "--batch-size"),
     (["--max-new-tokens", "0"], "--max-new-tokens"), (["--max-prompt-tokens", "-2"], "--max-prompt-tokens"),
     (["--threads", "0"], "--threads"), (["--target", "nope"], "--target"),
 ])
@@ -296,7 +297,8 @@ def test_distill_bad_inputs(bad, flag, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("bad,flag", [
-    (["--limit", "0"], "--limit"), (["--max-new-tokens", "0"], "--max-new-tokens"), (["--num-nodes", "0"], "--num-nodes"),
+    (["--limit", "0"], "--limit"), (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--num-nodes", "0"], "--num-nodes"),
     (["--depth", "0"], "--depth"), (["--beam-width", "0"], "--beam-width"), (["--temperature", "-1"], "--temperature"),
     (["--threads", "0"], "--threads"), (["--dtype", "int8"], "--dtype"), (["--target", "nope"], "--target"),
     (["--drafts", "nowhere"], "--drafts"), (["--dataset", "nowhere.jsonl"], "--dataset"),
@@ -310,7 +312,8 @@ def test_eval_bad_inputs(bad, flag, tmp_path, capsys):
     (["--port", "70000"], "--port"), (["--port", "-1"], "--port"), (["--max-batch", "0"], "--max-batch"),
     (["--max-queue", "-1"], "--max-queue"), (["--num-nodes", "0"], "--num-nodes"), (["--threads", "0"], "--threads"),
     (["--target", "nope"], "--target"), (["--draft", "nowhere"], "--draft"),
-    (["--speculate-max-batch", "0"], "--speculate-max-batch"), (["--speculate-max-batch", "never"], "--speculate-max-batch"),
+    (["--speculate-max-batch", "0"], "--speculate-max-batch"),
+    (["--speculate-max-batch", "never"], "--speculate-max-batch"),
 ])
 def test_serve_bad_inputs(bad, flag, capsys):
     fails(["serve"] + bad, flag, capsys)

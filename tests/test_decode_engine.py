@@ -71,13 +71,15 @@ def test_a_seeded_sampled_request_is_the_same_alone_and_among_others(model):
     mine = dict(prompt_ids=prompts[0], max_new_tokens=30,
                 sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=11))
     alone, _ = run(DecodeEngine(gen, TREE), {0: [("me", mine)]})
-    others = {0: [("a", dict(prompt_ids=prompts[1], max_new_tokens=40, sampling=SamplingParams(temperature=1.0, seed=5)))],
+    others = {0: [("a", dict(prompt_ids=prompts[1], max_new_tokens=40,
+                             sampling=SamplingParams(temperature=1.0, seed=5)))],
               1: [("b", dict(prompt_ids=prompts[2], max_new_tokens=20))],
               2: [("me", mine)],
               3: [("c", dict(prompt_ids=prompts[3], max_new_tokens=40, sampling=SamplingParams(temperature=0.7)))]}
     among, _ = run(DecodeEngine(gen, TREE, max_batch=4), others)
     assert among["me"][0] == alone["me"][0] and len(alone["me"][0]) > 0
-    again, _ = run(DecodeEngine(gen, TREE), {0: [("me", {**mine, "sampling": SamplingParams(temperature=0.9, top_p=0.95, seed=12)})]})
+    again, _ = run(DecodeEngine(gen, TREE),
+                   {0: [("me", {**mine, "sampling": SamplingParams(temperature=0.9, top_p=0.95, seed=12)})]})
     assert again["me"][0] != alone["me"][0]  # the seed matters
 
 
@@ -161,7 +163,8 @@ def test_continuous_backend_events_text_and_refusals(model):
     backend.add(GenRequest("c", prompts[2], 8))
     while backend.has_work():
         evs = backend.step()
-    assert evs[-1].id == "c" and evs[-1].stats.completion_tokens == len(gen.generate([prompts[2]], 8, tree=TREE).token_ids[0])
+    assert (evs[-1].id == "c"
+            and evs[-1].stats.completion_tokens == len(gen.generate([prompts[2]], 8, tree=TREE).token_ids[0]))
 
 
 def test_batches_over_the_speculation_limit_take_plain_rounds_and_stay_greedy(model):

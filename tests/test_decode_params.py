@@ -45,7 +45,8 @@ def test_min_p_reaches_tree_verify_only_when_used(monkeypatch):
     logits, u = torch.zeros(2, 1, 5), torch.rand(2, 2)
     assert SamplingTensors.build([SamplingParams(), SamplingParams(min_p=0.1)], "cpu") is None  # all greedy
     for min_p, want in ((0.0, set()), (0.1, {"min_p"})):
-        st = SamplingTensors.build([SamplingParams(temperature=1.0), SamplingParams(temperature=0.5, min_p=min_p)], "cpu")
+        st = SamplingTensors.build([SamplingParams(temperature=1.0), SamplingParams(temperature=0.5, min_p=min_p)],
+                                   "cpu")
         verify_mod.tree_verify(tree, logits, st, u)
         assert set(seen[-1]) == want
     torch.testing.assert_close(seen[-1]["min_p"], torch.tensor([0.0, 0.1]))

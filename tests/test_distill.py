@@ -167,7 +167,8 @@ def test_training_from_a_later_answer_reads_that_answers_features(model, tmp_pat
     tr = Trainer(gen.runner, cfg, part.train, part.val, tmp_path / "run", feature_cache=part.feature_cache,
                  progress_bar=False, train_ids=part.train_ids)
     seen, cached = [], tr.features
-    tr.features = lambda ids, lengths, keys: seen.append((keys, cached(ids, lengths, keys), ids, lengths)) or seen[-1][1]
+    tr.features = lambda ids, lengths, keys: (seen.append((keys, cached(ids, lengths, keys), ids, lengths))
+                                              or seen[-1][1])
     tr.compute_gradients([1, 0])
     keys, got, ids, lengths = seen[0]
     assert keys == [3, 2]

@@ -18,7 +18,8 @@ def rep():
     return mod
 
 
-def fake_config(method="poss", ppl=2, steps=6, autocast="bf16", tokens=257868, epoch=None, epochs=1, init_from="absent"):
+def fake_config(method="poss", ppl=2, steps=6, autocast="bf16", tokens=257868, epoch=None, epochs=1,
+                init_from="absent"):
     n_spec = 3 if method == "poss" else 1
     training = {
         "recipe": {"method": method, "steps": steps, "positions_per_specialist": ppl, "n_specialists": n_spec,
@@ -27,7 +28,8 @@ def fake_config(method="poss", ppl=2, steps=6, autocast="bf16", tokens=257868, e
                    "autocast": autocast, "batch_size": 4, "seed": 0, "max_batches": None},
         "data": {"source": "poss distill", "decoding": "greedy", "dtype": "float32", "max_new_tokens": 384,
                  "prompt_source": "sharegpt first user turn, English", "n_train": 732, "n_val": 100, "max_len": 1024,
-                 "train_tokens": 257868, "train_fingerprint": "06dfb3821e6001a5", "val_fingerprint": "7b020dbc9d6cad1f"},
+                 "train_tokens": 257868, "train_fingerprint": "06dfb3821e6001a5",
+                 "val_fingerprint": "7b020dbc9d6cad1f"},
         "world_size": 1, "train_seconds": 935.6, "tokens": tokens,
         "val": {"acc": [0.361, 0.276, 0.262, 0.256, 0.254, 0.248][:steps], "loss": [0.8] * steps},
     }
@@ -54,7 +56,8 @@ def write_draft(folder: Path, cfg: dict) -> Path:
 
 
 def test_card_states_the_recipe_from_the_config(rep, tmp_path):
-    init_dir = write_draft(tmp_path / "init", fake_config("eagle2", 1, 1, autocast="none", tokens=773604, epoch=3, epochs=6))
+    init_dir = write_draft(tmp_path / "init",
+                           fake_config("eagle2", 1, 1, autocast="none", tokens=773604, epoch=3, epochs=6))
     cfg = fake_config()
     run = tmp_path / "runs" / "poss2"
     d = rep.describe("poss2", write_draft(run / "draft-fp16", cfg), cfg, fake_val([0.36, 0.27, 0.26, 0.25, 0.25, 0.24]),
@@ -63,7 +66,8 @@ def test_card_states_the_recipe_from_the_config(rep, tmp_path):
     for fact in ("PosS-2", "8,192", "49,152", "output is unchanged", "3 specialists, 2 positions per specialist",
                  "732 training", "`06dfb3821e6001a5`", "epoch 3 of 6 planned", "773,604 token-passes",
                  "1,031,472 with the init's", "not recorded in this config", "bf16 autocast", "lr 0.001",
-                 "16 min", "a shared 2-core CPU", "36.0 / 27.0 / 26.0", "36.1 / 27.6 / 26.2", "bf16 autocast, batch size 4",
+                 "16 min", "a shared 2-core CPU", "36.0 / 27.0 / 26.0", "36.1 / 27.6 / 26.2",
+                 "bf16 autocast, batch size 4",
                  "scripts/train_smollm2_drafts.sh poss2", "python scripts/draft_report.py runs --ship poss2"):
         assert fact in card, fact
     cfg["training"]["machine"] = {"cpu": "AMD EPYC", "simd": ["avx2"], "threads": 1, "dtype": "bfloat16"}
@@ -81,7 +85,8 @@ def test_card_states_the_recipe_from_the_config(rep, tmp_path):
 
 def test_init_is_recorded_assumed_or_none(rep, tmp_path):
     init_dir = write_draft(tmp_path / "runs" / "eagle2-init" / "best", fake_config("eagle2", 1, 1, epoch=3))
-    recorded = fake_config(init_from={"path": "drafts/eagle2", "training": fake_config("eagle2", 1, 1, epoch=3)["training"]})
+    recorded = fake_config(init_from={"path": "drafts/eagle2",
+                                      "training": fake_config("eagle2", 1, 1, epoch=3)["training"]})
     got = rep.init_of(recorded, None, init_dir)
     assert got["recorded"] and got["path"] == "drafts/eagle2" and got["epoch"] == 3
     assert rep.init_of(fake_config(init_from=None), None, init_dir) is None
@@ -136,7 +141,8 @@ def test_cached_validation_is_reused_only_while_its_key_holds(rep, tmp_path, mon
 def test_token_passes_add_up_along_the_init_chain(rep, tmp_path):
     first = fake_config("eagle2", 1, 1, tokens=773604)["training"]
     second = fake_config("eagle2", 1, 1, tokens=354244, init_from={"path": "drafts/eagle2", "training": first})
-    third = fake_config("eagle2", 1, 1, tokens=500000, init_from={"path": "drafts/eagle2", "training": second["training"]})
+    third = fake_config("eagle2", 1, 1, tokens=500000,
+                        init_from={"path": "drafts/eagle2", "training": second["training"]})
     assert rep.cumulative_tokens(first) == 773604
     assert rep.cumulative_tokens(third["training"]) == 773604 + 354244 + 500000
     assert rep.init_of(third, None, None)["tokens"] == 773604 + 354244  # the init's own chain
@@ -154,7 +160,8 @@ def test_the_learning_curve_is_eagle2s_only(rep, tmp_path):
     for name, method in (("eagle2", "eagle2"), ("hass", "hass")):
         run = tmp_path / name
         write_draft(run / "draft-fp16", fake_config(method, 1, 1))
-        (run / "metrics.jsonl").write_text(json.dumps({"val_epoch": {"epoch": 1, "tokens": 100, "val": {"acc": [0.4]}}}))
+        (run / "metrics.jsonl").write_text(
+            json.dumps({"val_epoch": {"epoch": 1, "tokens": 100, "val": {"acc": [0.4]}}}))
         runs.append(run)
     curve = {"label": "init run", "measured": "fp32", "points": [{"epoch": 3, "tokens": 773604, "acc1": 0.334}]}
     got = rep.learning_curves(curve, runs, None, None)
@@ -171,7 +178,8 @@ def test_a_curve_starts_at_the_init_only_for_runs_that_started_from_it(rep, tmp_
                             ("from-older", earlier)):
         run = tmp_path / name
         write_draft(run / "draft-fp16", fake_config("eagle2", 1, 1, tokens=100, init_from=init_from))
-        (run / "metrics.jsonl").write_text(json.dumps({"val_epoch": {"epoch": 1, "tokens": 100, "val": {"acc": [0.4]}}}))
+        (run / "metrics.jsonl").write_text(
+            json.dumps({"val_epoch": {"epoch": 1, "tokens": 100, "val": {"acc": [0.4]}}}))
         runs.append(run)
     curve = {"label": "init run", "measured": "fp32", "points": [{"epoch": 3, "tokens": 773604, "acc1": 0.334}]}
     got = {c["label"]: c for c in rep.learning_curves(curve, runs, init_row, init_dir)}

@@ -150,10 +150,14 @@ def good_args():
         (dict(accept_len=torch.tensor([-1], dtype=torch.int32)), r"accept_len\[0\] = -1"),
         (dict(prefix_len=torch.tensor([-1], dtype=torch.int32)), r"prefix_len\[0\] = -1 must be >= 0"),
         (dict(accept_nodes=torch.tensor([[-1, 2, 3, -1]], dtype=torch.int32)), r"accept_nodes\[0, 0\] = -1"),
-        (dict(accept_nodes=torch.tensor([[0, 3, 2, -1]], dtype=torch.int32)), r"accept_nodes\[0, 2\] = 2 must be greater"),
-        (dict(accept_nodes=torch.tensor([[0, 2, 2, -1]], dtype=torch.int32)), r"accept_nodes\[0, 2\] = 2 must be greater"),
-        (dict(accept_nodes=torch.tensor([[0, 2, 4, -1]], dtype=torch.int32)), r"accept_nodes\[0, 2\] = 4 must be < N = 4"),
-        (dict(prefix_len=torch.tensor([5], dtype=torch.int32)), r"prefix_len\[0\] \+ accept_nodes\[0, 2\] = 8 must be < S = 8"),
+        (dict(accept_nodes=torch.tensor([[0, 3, 2, -1]], dtype=torch.int32)),
+         r"accept_nodes\[0, 2\] = 2 must be greater"),
+        (dict(accept_nodes=torch.tensor([[0, 2, 2, -1]], dtype=torch.int32)),
+         r"accept_nodes\[0, 2\] = 2 must be greater"),
+        (dict(accept_nodes=torch.tensor([[0, 2, 4, -1]], dtype=torch.int32)),
+         r"accept_nodes\[0, 2\] = 4 must be < N = 4"),
+        (dict(prefix_len=torch.tensor([5], dtype=torch.int32)),
+         r"prefix_len\[0\] \+ accept_nodes\[0, 2\] = 8 must be < S = 8"),
     ],
 )
 def test_bad_input(change, match):

@@ -78,7 +78,7 @@ def test_draft_tree_matches_a_from_scratch_drafter(n, ppl):
     ids, feats = seq.ids[0].clone(), seq.feats[0].clone()
     tree = draft_tree(gen.draft, seq, depth, K, nodes)
     tok, score, parent = reference_candidates(gen.draft, ids, feats, L, depth, K)
-    want = poss_ext.ops.build_tree(torch.tensor([tok]), torch.tensor([score]), torch.tensor([parent], dtype=torch.int32),
-                                   ids[L].view(1), nodes)
+    want = poss_ext.ops.build_tree(torch.tensor([tok]), torch.tensor([score]),
+                                   torch.tensor([parent], dtype=torch.int32), ids[L].view(1), nodes)
     assert torch.equal(tree.tokens, want[0]) and torch.equal(tree.parents, want[1])
     assert torch.equal(tree.depth, want[2])

@@ -27,10 +27,12 @@ def test_shipped_draft_is_fp16_trainable_weights_with_a_card(folder):
     assert (token_map is None) == (not cfg.get("draft_vocab"))
     if token_map is not None:
         assert token_map.dtype == torch.int64 and token_map.numel() == cfg["draft_vocab"]
-        assert bool((token_map[1:] > token_map[:-1]).all()) and 0 <= int(token_map[0]) and int(token_map[-1]) < cfg["vocab"]
+        assert (bool((token_map[1:] > token_map[:-1]).all()) and 0 <= int(token_map[0])
+                and int(token_map[-1]) < cfg["vocab"])
     assert all(v.dtype == torch.float16 for v in weights.values())
     assert all(k.startswith(("fc.", "layers.")) for k in weights)  # no embedding / lm_head copy
-    assert {k.split(".")[1] for k in weights if k.startswith("layers.")} == {str(j) for j in range(cfg["n_specialists"])}
+    assert ({k.split(".")[1] for k in weights if k.startswith("layers.")}
+            == {str(j) for j in range(cfg["n_specialists"])})
     card = (folder / "README.md").read_text()
     t = cfg["training"]
     assert cfg["target_name"] in card and f"{t['train_seconds'] / 60:.0f} min" in card

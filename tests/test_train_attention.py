@@ -1,4 +1,5 @@
-"""The aligned multi-step attention (LSE merge of a shifted causal part and diagonal terms) vs the dense masked version."""
+"""The aligned multi-step attention (LSE merge of a shifted causal part and diagonal terms) vs the dense
+masked version."""
 
 import pytest
 import torch
@@ -17,7 +18,8 @@ def rand_inputs(B, H, Hkv, L, D, k, dtype=torch.float64, seed=0):
 
 
 @settings(max_examples=25, deadline=None)
-@given(k=st.integers(0, 6), L=st.integers(1, 20), rep=st.sampled_from([1, 2, 3]), B=st.integers(1, 2), seed=st.integers(0, 10**6))
+@given(k=st.integers(0, 6), L=st.integers(1, 20), rep=st.sampled_from([1, 2, 3]), B=st.integers(1, 2),
+       seed=st.integers(0, 10**6))
 def test_matches_dense_masked_forward_and_backward(k, L, rep, B, seed):
     q, ks, vs = rand_inputs(B, 2 * rep, 2, L, 8, k, seed=seed)
     a = aligned_attention(q, ks, vs)

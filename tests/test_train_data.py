@@ -40,7 +40,8 @@ def test_truncated_array_keeps_complete_records():
 
 
 def test_to_messages_roles_and_rejections():
-    assert to_messages(records(1)[0]) == [{"role": "user", "content": "question 0?"}, {"role": "assistant", "content": "answer 0."}]
+    assert to_messages(records(1)[0]) == [{"role": "user", "content": "question 0?"},
+                                          {"role": "assistant", "content": "answer 0."}]
     assert to_messages({"conversations": [{"from": "gpt", "value": "hi"}, {"from": "human", "value": "q"},
                                           {"from": "gpt", "value": "a"}]})[0]["role"] == "user"
     assert to_messages({"conversations": [{"from": "human", "value": "only a question"}]}) is None
@@ -118,7 +119,8 @@ def test_regenerate_replaces_assistant_turns_and_caches(tokenizer, tmp_path):
     assert "ORIGINAL" not in out[1]["content"] + out[3]["content"]
     assert len(calls) == 2 and calls[1] > calls[0]  # the second answer is conditioned on the first (regenerated) one
     # greedy: the regenerated first answer equals a direct greedy continuation of the prompt
-    prompt = tokenizer.apply_chat_template(convs[0][:1], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    prompt = tokenizer.apply_chat_template(convs[0][:1], add_generation_prompt=True, return_tensors="pt",
+                                           return_dict=True)
     # (an explicit attention mask: pad == eos == <|im_end|> also occurs inside the prompt)
     ref = gen(prompt["input_ids"], attention_mask=prompt["attention_mask"], max_new_tokens=5, do_sample=False,
               pad_token_id=tokenizer.eos_token_id)

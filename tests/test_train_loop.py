@@ -1,4 +1,5 @@
-"""The training loop on a tiny random target: learning, checkpoints, kill + resume, saved artefacts, EAGLE init, feature cache."""
+"""The training loop on a tiny random target: learning, checkpoints, kill + resume, saved artefacts, EAGLE init,
+feature cache."""
 
 import json
 import signal
@@ -24,9 +25,11 @@ HERE = Path(__file__).resolve().parent
 def test_training_reduces_the_loss(tmp_path):
     tr = make_trainer(tmp_path, method="poss", steps=2, ppl=1, n_train=4, batch_size=2, epochs=12, noise=0.0, lr=3e-3)
     ids = list(range(len(tr.train)))
-    before = evaluate(tr.draft, tr.features, tr.train, ids, tr.cfg.objective(), tr.runner, tr.cfg.batch_size, tr.cfg.autocast_dtype)
+    before = evaluate(tr.draft, tr.features, tr.train, ids, tr.cfg.objective(), tr.runner, tr.cfg.batch_size,
+                      tr.cfg.autocast_dtype)
     result = tr.fit()
-    after = evaluate(tr.draft, tr.features, tr.train, ids, tr.cfg.objective(), tr.runner, tr.cfg.batch_size, tr.cfg.autocast_dtype)
+    after = evaluate(tr.draft, tr.features, tr.train, ids, tr.cfg.objective(), tr.runner, tr.cfg.batch_size,
+                     tr.cfg.autocast_dtype)
     assert result["finished"] and result["progress"]["step"] == 24
     for k in range(2):
         assert after["loss"][k] < 0.8 * before["loss"][k]
@@ -101,7 +104,8 @@ def test_kill_and_resume_loses_at_most_one_interval_and_matches_an_uninterrupted
     ref = make_trainer(tmp_path / "ref", n_train=8, batch_size=2, epochs=2)
     ref.fit()
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, str(HERE / "helpers" / "train_tiny.py"), str(out), "--ckpt-minutes", "0", "--slow", "0.4"],
+    proc = subprocess.Popen([sys.executable, str(HERE / "helpers" / "train_tiny.py"), str(out),
+                             "--ckpt-minutes", "0", "--slow", "0.4"],
                             env=child_env(), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 120
     step = 0

@@ -49,7 +49,8 @@ def test_rows_equal_the_inference_context(runner, method, steps, ppl):
             rows = sorted({r for r in (0, 1, k - 1, k, k + 1, L // 2, L - 2, L - 1) if 0 <= r < L})
             for b in range(B):
                 for r in rows:
-                    feats = torch.stack([levels[0][b, t] if t <= r - k else levels[k - (r - t)][b, t] for t in range(r + 1)])
+                    feats = torch.stack([levels[0][b, t] if t <= r - k else levels[k - (r - t)][b, t]
+                                         for t in range(r + 1)])
                     e = F.embedding(batch.tokens[b, : r + 1], runner.embed)
                     u = draft.fc(torch.cat([e, feats], -1)).unsqueeze(0)
                     kc = torch.zeros(1, c.kv_heads, L, c.head_dim)
@@ -126,7 +127,8 @@ def test_bf16_autocast_runs_and_is_close(runner):
     cfg = TrainConfig(method="poss", steps=2, positions_per_specialist=1)
     draft = randomize(new_draft(runner, cfg, "tiny"))
     batch, _ = batch_for(runner)
-    a = run_steps(draft, batch, runner.embed, runner.lm_head, runner.inv_freq, cfg.objective(), backward=False, autocast_dtype=None)
+    a = run_steps(draft, batch, runner.embed, runner.lm_head, runner.inv_freq, cfg.objective(), backward=False,
+                  autocast_dtype=None)
     b = run_steps(draft, batch, runner.embed, runner.lm_head, runner.inv_freq, cfg.objective(), backward=False)
     for x, y in zip(a, b):
         torch.testing.assert_close(x["loss"], y["loss"], rtol=5e-2, atol=5e-2)

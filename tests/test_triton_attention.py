@@ -80,8 +80,10 @@ def _with(**kw):
 BAD = [
     (TypeError, "q must be a torch.Tensor", lambda: _with(q=[[1.0]])),
     (ValueError, "q must be 4-D", lambda: _with(q=torch.zeros(2, 4, 6))),
-    (TypeError, "q must be float32, bfloat16 or float16", lambda: _with(q=torch.zeros(2, 4, 6, 64, dtype=torch.float64))),
-    (ValueError, r"q\.size\(3\) \(head dim D\)", lambda: _with(q=torch.zeros(2, 4, 6, 32), k_cache=torch.zeros(2, 2, 12, 32),
+    (TypeError, "q must be float32, bfloat16 or float16",
+     lambda: _with(q=torch.zeros(2, 4, 6, 64, dtype=torch.float64))),
+    (ValueError, r"q\.size\(3\) \(head dim D\)", lambda: _with(q=torch.zeros(2, 4, 6, 32),
+                                                               k_cache=torch.zeros(2, 2, 12, 32),
                                                                v_cache=torch.zeros(2, 2, 12, 32))),
     (TypeError, "k_cache must have q's dtype", lambda: _with(k_cache=torch.zeros(2, 2, 12, 64, dtype=torch.bfloat16))),
     (ValueError, r"k_cache\.size\(3\)", lambda: _with(k_cache=torch.zeros(2, 2, 12, 80))),
@@ -99,7 +101,8 @@ BAD = [
     (ValueError, "scale must be finite and > 0", lambda: _with(scale=float("nan"))),
     (ValueError, "scale must be finite and > 0", lambda: _with(scale=0.0)),
     (TypeError, "scale must be a float", lambda: _with(scale=torch.tensor(0.1))),
-    (ValueError, "prefix_len must be on the same device as q", lambda: _with(prefix_len=_good()["prefix_len"].to("meta"))),
+    (ValueError, "prefix_len must be on the same device as q",
+     lambda: _with(prefix_len=_good()["prefix_len"].to("meta"))),
 ]
 
 
@@ -191,8 +194,9 @@ def test_triton_matches_cuda_kernel(dtype, shape, tree):
         got = ta.tree_attention_triton(q, k, v, prefix_len, parents, D**-0.5, num_splits=splits)
         torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
     if B <= 2 and N <= 60 and dtype == torch.float32:  # the reference walks node by node: small cases only
-        torch.testing.assert_close(got.cpu(), reference.tree_attention(*(t.cpu() for t in (q, k, v, prefix_len, parents)),
-                                                                       D**-0.5), atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(
+            got.cpu(), reference.tree_attention(*(t.cpu() for t in (q, k, v, prefix_len, parents)), D**-0.5),
+            atol=2e-5, rtol=2e-5)
 
 
 SWITCH_GPU_CHILD = """

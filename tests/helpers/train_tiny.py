@@ -53,7 +53,8 @@ def tiny_examples(n, seed=0, min_len=12, max_len=40, vocab=128):
         ids = torch.empty(L, dtype=torch.int64)
         ids[0] = torch.randint(1, vocab, (1,), generator=g)
         for t in range(1, L):
-            ids[t] = (ids[t - 1] * 7 + 3) % vocab if torch.rand(1, generator=g) < 0.8 else torch.randint(1, vocab, (1,), generator=g)
+            ids[t] = ((ids[t - 1] * 7 + 3) % vocab if torch.rand(1, generator=g) < 0.8
+                      else torch.randint(1, vocab, (1,), generator=g))
         mask = torch.zeros(L, dtype=torch.int64)
         mask[L // 3:] = 1
         out.append(Example(ids, mask))
@@ -95,7 +96,8 @@ def main():
         order = tr.order(0)
         idx = order[info.rank * tr.cfg.batch_size:(info.rank + 1) * tr.cfg.batch_size]
         tr.compute_gradients(idx, noise=False)
-        local = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in tr.draft.named_parameters()}
+        local = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                 for n, p in tr.draft.named_parameters()}
         from poss.train.ddp import average_gradients
 
         average_gradients(tr.params, info)

@@ -47,8 +47,10 @@ def add_arguments(p: argparse.ArgumentParser, chat: bool) -> None:
                    help="keep tokens at least this fraction as likely as the most likely one (0: off)")
     s.add_argument("--seed", type=int, default=None, help="makes sampling reproducible (default: a fresh seed)")
     t = p.add_argument_group("draft tree (auto: the size with the most expected tokens/s on this machine, timed "
-                             "once per machine, dtype and draft, then cached; a size given alone takes 60 / 6 for the other)")
-    t.add_argument("--num-nodes", type=int_or_auto(1, 256), default="auto", help="nodes verified per round, root included")
+                             "once per machine, dtype and draft, then cached; a size given alone takes 60 / 6 for "
+                             "the other)")
+    t.add_argument("--num-nodes", type=int_or_auto(1, 256), default="auto",
+                   help="nodes verified per round, root included")
     t.add_argument("--depth", type=int_or_auto(0), default="auto", help="draft positions below the root")
     t.add_argument("--beam-width", "--top-k-draft", dest="beam_width", type=int_at_least(1), default=10,
                    help="children kept per frontier node and frontier size per level")
@@ -57,8 +59,8 @@ def add_arguments(p: argparse.ArgumentParser, chat: bool) -> None:
 def check_arguments(args) -> None:
     """Every check that needs no model: raises ``UsageError`` naming the flag."""
     if args.temperature == 0:
-        given = [f"--{n.replace('_', '-')} {getattr(args, n)}" for n, off in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0))
-                 if getattr(args, n) != off]
+        given = [f"--{n.replace('_', '-')} {getattr(args, n)}"
+                 for n, off in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0)) if getattr(args, n) != off]
         if given:
             raise UsageError(f"{', '.join(given)}: sampling filters need --temperature > 0 "
                              "(temperature 0 is greedy)")
@@ -77,7 +79,8 @@ def _params(args):
     try:
         tree = tree_from_flags(args.num_nodes, args.depth, args.beam_width)
     except ValueError as e:
-        raise UsageError(re.sub(r"\b(num_nodes|depth|beam_width)\b", lambda m: _TREE_FLAGS[m.group(1)], str(e))) from None
+        raise UsageError(re.sub(r"\b(num_nodes|depth|beam_width)\b", lambda m: _TREE_FLAGS[m.group(1)],
+                                str(e))) from None
     return sampling, tree
 
 
@@ -91,8 +94,8 @@ def _load(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     limit = getattr(args, "speculate_max_batch", "auto")  # chat has one conversation: no flag
-    return load(args.target, draft=chosen_draft(args, "poss"), dtype=resolve_dtype(args.dtype, "cpu"), compile=args.compile,
-                speculate_max_batch=None if limit == "off" else limit)
+    return load(args.target, draft=chosen_draft(args, "poss"), dtype=resolve_dtype(args.dtype, "cpu"),
+                compile=args.compile, speculate_max_batch=None if limit == "off" else limit)
 
 
 def _speed_line(stats) -> str:

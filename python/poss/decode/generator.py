@@ -56,8 +56,11 @@ def request_stats(r: Request) -> Stats:
 
 
 def check_speculate_max_batch(limit):
-    """``limit`` if it is a valid speculation limit (an int >= 1, ``"auto"`` or None), else ``ValueError``."""
-    if not (limit is None or limit == "auto" or (isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1)):
+    """``limit`` if it is a valid speculation limit (an int >= 1, ``"auto"`` or None), else
+    ``ValueError``.
+    """
+    if not (limit is None or limit == "auto"
+            or (isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1)):
         raise ValueError(f"speculate_max_batch must be an int >= 1, 'auto' or None, got {limit!r}")
     return limit
 
@@ -127,8 +130,9 @@ class Generator:
         """Generate for every prompt (batched, ragged).
 
         ``sampling``: one :class:`SamplingParams` for all prompts or one per prompt (default greedy);
-        ``tree``: the draft tree, a :class:`TreeParams` or ``"auto"`` (default: :attr:`default_tree`). For convenience ``options`` may name
-        their fields directly (``temperature=0.7, top_p=[0.9, 1.0], seed=1, depth=4, beam_width=8``);
+        ``tree``: the draft tree, a :class:`TreeParams` or ``"auto"`` (default: :attr:`default_tree`). For
+        convenience ``options`` may name their fields directly (``temperature=0.7, top_p=[0.9, 1.0], seed=1,
+        depth=4, beam_width=8``);
         a sampling field takes one value or one per prompt and overrides ``sampling``.
         """
         single, reqs, tree = self._prepare(prompts, max_new_tokens, sampling, tree, options)
@@ -158,9 +162,11 @@ class Generator:
     # -- the loop --------------------------------------------------------------------------------
     def _prepare(self, prompts, max_new_tokens, sampling, tree, options):
         """Validate everything before any model work: ``(single, requests, tree params)``."""
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict)))
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                              and isinstance(prompts[0], (int, dict)))
         prompts = [prompts] if single else list(prompts)
-        tree = self.resolve_tree(tree, **{k: options.pop(k) for k in ("num_nodes", "depth", "beam_width") if k in options})
+        tree = self.resolve_tree(tree, **{k: options.pop(k) for k in ("num_nodes", "depth", "beam_width")
+                                          if k in options})
         params = SamplingParams.per_request(sampling, len(prompts), **options)
         return single, self._requests(prompts, max_new_tokens, params), tree
 

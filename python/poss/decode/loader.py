@@ -26,7 +26,8 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
     :attr:`~Generator.speculate_max_batch`: calls with more live requests decode plainly; ``"auto"``
     (the default) measures where tree rounds stop paying on this machine (once, cached on disk), None
     always speculates. ``compile``: :func:`compile_steps` (off by default: on the development CPU it
-    bought 2-8 % for ~30 s of compilation, see docs/benchmarks.md). Raises ``ValueError`` when the draft was trained for a different target.
+    bought 2-8 % for ~30 s of compilation, see docs/benchmarks.md). Raises ``ValueError`` when the draft
+    was trained for a different target.
     """
     from poss.hardware import resolve_dtype
     from poss.models.draft import PosSDraft

@@ -13,16 +13,19 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--target", default="smollm2-135m", help=target_help())
     p.add_argument("--drafts", nargs="*", default=None, metavar="DIR",
                    help="draft folders to compare (default: the target's shipped drafts)")
-    p.add_argument("--datasets", default="all", help="comma-separated set names, 'all', or 'none' (only --dataset files)")
+    p.add_argument("--datasets", default="all",
+                   help="comma-separated set names, 'all', or 'none' (only --dataset files)")
     p.add_argument("--dataset", action="append", default=[], metavar="FILE",
                    help="a custom JSONL set (records with 'turns'); repeatable")
     p.add_argument("--limit", type=int_at_least(1), default=None, help="the first K questions of each set")
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=512, help="answer length per turn at most")
     p.add_argument("--turns", type=int_at_least(1), default=None,
                    help="ask only the first K turns of each question (MT-Bench has 2; default: all)")
-    p.add_argument("--num-nodes", type=int_at_least(2, 256), default=60, help="tree nodes verified per round, root included")
+    p.add_argument("--num-nodes", type=int_at_least(2, 256), default=60,
+                   help="tree nodes verified per round, root included")
     p.add_argument("--depth", type=int_at_least(1), default=6, help="draft positions below the root")
-    p.add_argument("--beam-width", type=int_at_least(1), default=10, help="draft candidates kept per tree level (EAGLE's top-k)")
+    p.add_argument("--beam-width", type=int_at_least(1), default=10,
+                   help="draft candidates kept per tree level (EAGLE's top-k)")
     p.add_argument("--temperature", type=float_in(0), default=0.0, help="0: greedy; 1: the sampling setting")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--hf", action="store_true", help="also time transformers generate (greedy) as a reference")

@@ -49,7 +49,8 @@ def table(results: Dict) -> str:
     """The paper's layout: methods as rows; tau and speedup per dataset and their mean."""
     methods = results["methods"]
     sets = sorted({ds for m in methods.values() for ds in m["datasets"]})
-    head = "| method | " + " | ".join(f"{ds} tau | {ds} speedup" for ds in sets) + " | mean tau | mean speedup | identical |"
+    head = ("| method | " + " | ".join(f"{ds} tau | {ds} speedup" for ds in sets)
+            + " | mean tau | mean speedup | identical |")
     lines = [head, "|" + "---|" * (2 * len(sets) + 4)]
     for name, m in methods.items():
         cells = []
@@ -76,7 +77,8 @@ def table(results: Dict) -> str:
     for name, m in methods.items():
         o = m["overall"]
         pa = o["pos_acc"] if name not in ("ar", "hf") else [float("nan")] * results["settings"]["depth"]
-        lines.append(f"| {name} | {o['rounds']} | {_fmt(o['draft_ms_per_round'], 1)} | {_fmt(o['verify_ms_per_round'], 1)} "
+        lines.append(f"| {name} | {o['rounds']} | {_fmt(o['draft_ms_per_round'], 1)} | "
+                     f"{_fmt(o['verify_ms_per_round'], 1)} "
                      f"| {_fmt(o['seconds'], 1)} | {_fmt(m.get('draft_params_mb', float('nan')), 1)} | "
                      + " | ".join(_fmt(x) for x in pa) + " |")
     mach = results["machine"]

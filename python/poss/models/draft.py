@@ -122,7 +122,9 @@ class PosSDraft(nn.Module):
         return index if self.token_map is None else self.token_map[index]
 
     def log_probs(self, out_features: Tensor) -> Tensor:
-        """``log_softmax`` of :meth:`logits`: ``[..., K] float32`` over the draft vocabulary, what the draft tree scores with."""
+        """``log_softmax`` of :meth:`logits`: ``[..., K] float32`` over the draft vocabulary, what the draft
+        tree scores with.
+        """
         return torch.log_softmax(self.logits(out_features).float(), dim=-1)
 
     # -- persistence -----------------------------------------------------------------------------
@@ -130,7 +132,8 @@ class PosSDraft(nn.Module):
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         self.config.save(d / "config.json")
-        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(d / "model.safetensors"))
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()},
+                  str(d / "model.safetensors"))
 
     @classmethod
     def load(cls, directory, dtype: torch.dtype = torch.float32, device="cpu") -> "PosSDraft":

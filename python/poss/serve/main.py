@@ -30,14 +30,16 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int_at_least(0, 65535), default=8000, help="TCP port (0: any free one)")
     p.add_argument("--max-batch", type=int_at_least(1), default=8, help="requests decoded together")
     p.add_argument("--max-queue", type=int_at_least(0), default=64, help="requests waiting beyond the batch (then 429)")
-    p.add_argument("--default-max-tokens", type=int_at_least(1), default=512, help="max_tokens when a request gives none")
+    p.add_argument("--default-max-tokens", type=int_at_least(1), default=512,
+                   help="max_tokens when a request gives none")
     p.add_argument("--max-body", type=int_at_least(1), default=1 << 20, help="largest request body in bytes (then 413)")
     p.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="the models' dtype; auto: bfloat16 on CUDA or a CPU with AMX/AVX512-BF16, else float32")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--num-nodes", type=int_or_auto(1, 256), default="auto",
-                   help="tree nodes verified per round, root included (auto: sized for this machine, timed once at batch 1)")
+                   help="tree nodes verified per round, root included (auto: sized for this machine, timed once at "
+                        "batch 1)")
     p.add_argument("--depth", type=int_or_auto(0), default="auto", help="draft positions below the root")
     p.add_argument("--beam-width", "--top-k-draft", dest="beam_width", type=int_at_least(1), default=10,
                    help="draft candidates kept per tree level")
@@ -80,7 +82,8 @@ def run_serve(args) -> int:
     draft = chosen_draft(args, "poss serve")
     try:
         gen = load(args.target, draft=draft, dtype=args.dtype, device=args.device)
-        tree = gen.resolve_tree(tree_from_flags(args.num_nodes, args.depth, args.beam_width), beam_width=args.beam_width)
+        tree = gen.resolve_tree(tree_from_flags(args.num_nodes, args.depth, args.beam_width),
+                                beam_width=args.beam_width)
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"poss serve: {exc}", file=sys.stderr)
         return 2
@@ -100,8 +103,8 @@ def run_serve(args) -> int:
     def started():
         spec = info["speculate_max_batch"]
         spec = "never" if spec == 0 else "always" if spec is None else f"up to batch {spec}"
-        print(f"poss serve: {name} at {url} (draft: {draft or 'none'}, speculating {spec}; max batch {args.max_batch}); "
-              "Ctrl-C stops", file=sys.stderr, flush=True)
+        print(f"poss serve: {name} at {url} (draft: {draft or 'none'}, speculating {spec}; "
+              f"max batch {args.max_batch}); Ctrl-C stops", file=sys.stderr, flush=True)
 
     app = create_app(engine, name, default_max_tokens=args.default_max_tokens, max_body=args.max_body,
                      model_info=info, on_started=started)

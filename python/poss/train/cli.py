@@ -13,8 +13,10 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
                        formatter_class=Formatter)
     p.add_argument("--target", default="smollm2-135m", help=target_help())
     p.add_argument("--method", choices=("eagle2", "hass", "poss"), default="poss", help="the draft objective")
-    p.add_argument("--steps", type=int_at_least(1), default=None, help="training steps (draft positions); eagle2 1, hass 3, poss 6")
-    p.add_argument("--positions-per-specialist", type=int_at_least(1), default=1, help="PosS-n: n positions per specialist")
+    p.add_argument("--steps", type=int_at_least(1), default=None,
+                   help="training steps (draft positions); eagle2 1, hass 3, poss 6")
+    p.add_argument("--positions-per-specialist", type=int_at_least(1), default=1,
+                   help="PosS-n: n positions per specialist")
     p.add_argument("--out", default=None, help="run directory: checkpoints, metrics.jsonl, final draft/")
     p.add_argument("--init-from", default=None, help="trained EAGLE-2 draft folder copied into every specialist")
     p.add_argument("--resume", action="store_true", help="continue from OUT/trainer_state.pt")
@@ -23,7 +25,8 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--train-start", type=int_at_least(0), default=0,
                    help="with --data: skip this many training answers (key order), e.g. to train on what an "
                         "extended data set added")
-    p.add_argument("--val-size", type=int_at_least(0), default=100, help="held-out conversations (fixed by --data-seed)")
+    p.add_argument("--val-size", type=int_at_least(0), default=100,
+                   help="held-out conversations (fixed by --data-seed)")
     p.add_argument("--data-seed", type=int, default=42, help="seed of the train/validation split")
     p.add_argument("--data", default=None, metavar="DIR",
                    help="train on a `poss distill` folder (on-policy answers with cached features) instead of ShareGPT")
@@ -44,10 +47,12 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--feature-cache", default=None, help="feature cache dir (default: under the poss cache)")
     p.add_argument("--max-batches", type=int_at_least(1), default=None, help="stop after this many optimizer steps")
     p.add_argument("--validate-every-epoch", action="store_true",
-                   help="score the held-out split after each epoch (learning curve) and keep the best draft in OUT/best")
+                   help="score the held-out split after each epoch (learning curve) and keep the best draft in "
+                        "OUT/best")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                   help="target features and mixed precision; auto: bf16 on CUDA or a CPU with AMX/AVX512-BF16, else fp32")
+                   help="target features and mixed precision; auto: bf16 on CUDA or a CPU with AMX/AVX512-BF16, "
+                        "else fp32")
     p.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0, help="initialisation and noise seed")
     p.add_argument("--validate", default=None, metavar="DRAFT",
@@ -122,8 +127,8 @@ def run_train(args) -> int:
     if args.validate is not None:
         from poss.train.validate import validate_draft
 
-        result = validate_draft(args.validate, runner, data.val, steps=args.steps or 6, feature_cache=data.feature_cache,
-                                batch_size=args.batch_size, info=info)
+        result = validate_draft(args.validate, runner, data.val, steps=args.steps or 6,
+                                feature_cache=data.feature_cache, batch_size=args.batch_size, info=info)
         if info.main:
             print(json.dumps(result, indent=1))
         shutdown(info)
@@ -131,7 +136,8 @@ def run_train(args) -> int:
     cfg = TrainConfig(method=args.method, steps=args.steps, positions_per_specialist=args.positions_per_specialist,
                       epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, topk_weight=args.topk_weight,
                       noise_std=args.noise_std, checkpoint_minutes=args.checkpoint_minutes, seed=args.seed,
-                      max_batches=args.max_batches, validate_every_epoch=args.validate_every_epoch, autocast="bf16" if runner.dtype == torch.bfloat16 else "none")
+                      max_batches=args.max_batches, validate_every_epoch=args.validate_every_epoch,
+                      autocast="bf16" if runner.dtype == torch.bfloat16 else "none")
     trainer = Trainer(runner, cfg, data.train, data.val, args.out,
                       target_name=args.target if isinstance(args.target, str) else "", init_from=args.init_from,
                       feature_cache=data.feature_cache, info=info, data_info=data.info, token_map=token_map,

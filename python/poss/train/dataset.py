@@ -61,7 +61,8 @@ def build_dataset(tokenizer, hf_model, target_fingerprint: str, recipe: DataReci
     train_idx, val_idx = split_indices(len(convs.messages), r.val_size, r.data_seed)
     train_idx = train_idx[: r.train_size]
     tok_cache = cache_root() / "data" / ("tokenized-" + _key([convs.fingerprint, target_fingerprint, r.max_len,
-                                                                r.train_size, r.val_size, r.data_seed, r.regenerate]) + ".pt")
+                                                                r.train_size, r.val_size, r.data_seed,
+                                                                r.regenerate]) + ".pt")
     messages = convs.messages
     if tok_cache.exists():
         train_ex, val_ex = torch.load(tok_cache, weights_only=False)

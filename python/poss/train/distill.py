@@ -161,7 +161,8 @@ def rebuild_features(runner, out, batch_tokens: int = 4096, progress: bool = Tru
     i = 0
     while i < len(todo):
         seqs, n = [], 0
-        while i < len(todo) and (not seqs or n + len(todo[i]["prompt_ids"]) + len(todo[i]["answer_ids"]) <= batch_tokens):
+        while i < len(todo) and (not seqs
+                                 or n + len(todo[i]["prompt_ids"]) + len(todo[i]["answer_ids"]) <= batch_tokens):
             r = todo[i]
             seqs.append((r["key"], (r["prompt_ids"] + r["answer_ids"])[:-1]))
             n += len(seqs[-1][1])

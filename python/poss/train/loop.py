@@ -121,7 +121,8 @@ def linear_schedule(optimizer, total: int, warmup: int):
 
 def _step_summary(metrics: List[Dict[str, torch.Tensor]]) -> Dict[str, List[float]]:
     # One device->host copy for all steps' (loss, correct, count), not three per step.
-    rows = torch.stack([torch.stack([m["loss"].float(), m["correct"].float(), m["count"].float()]) for m in metrics]).tolist()
+    rows = torch.stack([torch.stack([m["loss"].float(), m["correct"].float(), m["count"].float()])
+                        for m in metrics]).tolist()
     return {"loss": [r[0] for r in rows], "acc": [r[1] / max(1.0, r[2]) for r in rows]}
 
 
@@ -136,8 +137,9 @@ class Trainer:
             example i has key ``VAL_ID_OFFSET + i``.
     """
 
-    def __init__(self, runner: TargetRunner, cfg: TrainConfig, train_examples: List[Example], val_examples: List[Example],
-                 out_dir, target_name: str = "", init_from: Optional[str] = None, feature_cache: Optional[str] = None,
+    def __init__(self, runner: TargetRunner, cfg: TrainConfig, train_examples: List[Example],
+                 val_examples: List[Example], out_dir, target_name: str = "", init_from: Optional[str] = None,
+                 feature_cache: Optional[str] = None,
                  info: DistInfo = DistInfo(), data_info: Optional[dict] = None, progress_bar: bool = True,
                  token_map: Optional[torch.Tensor] = None, train_ids: Optional[Sequence[int]] = None):
         self.runner, self.cfg, self.info = runner, cfg, info
@@ -156,7 +158,8 @@ class Trainer:
         self.global_batch = cfg.batch_size * info.world
         self.batches_per_epoch = len(train_examples) // self.global_batch
         if self.batches_per_epoch < 1:
-            raise ValueError(f"{len(train_examples)} training examples cannot fill one global batch of {self.global_batch}")
+            raise ValueError(f"{len(train_examples)} training examples cannot fill one global batch of "
+                             f"{self.global_batch}")
         self.total_steps = self.batches_per_epoch * cfg.epochs
         self.sched = linear_schedule(self.opt, self.total_steps, max(1, int(self.total_steps * cfg.warmup_frac)))
         self.data_info = dict(data_info or {})
@@ -175,7 +178,8 @@ class Trainer:
             keys = [k for k in keys if k in got]  # checkpoints from before this check carry none of them
             have, want = [got[k] for k in keys], [self.progress[k] for k in keys]
             if have != want:
-                raise ValueError(f"{self.out} holds a checkpoint of another run (data/method/steps/positions_per_specialist {have}, "
+                raise ValueError(f"{self.out} holds a checkpoint of another run "
+                                 f"(data/method/steps/positions_per_specialist {have}, "
                                  f"now {want}); use a new --out or the original settings")
 
         got = ckpt.load_state(self.out, self.draft, self.opt, self.sched, check=same_run)
@@ -245,7 +249,8 @@ class Trainer:
                 if log and self.progress["step"] % 10 == 0:
                     log.write(json.dumps({"step": self.progress["step"], "epoch": self.progress["epoch"],
                                           "loss": loss, "acc": s["acc"], "lr": self.sched.get_last_lr()[0],
-                                          "tokens": self.progress["tokens"], "seconds": self.progress["seconds"]}) + "\n")
+                                          "tokens": self.progress["tokens"],
+                                          "seconds": self.progress["seconds"]}) + "\n")
                     log.flush()
                 if time.monotonic() - last_ckpt >= cfg.checkpoint_minutes * 60:
                     self.save_checkpoint()

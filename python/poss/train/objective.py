@@ -52,7 +52,8 @@ class Batch:
     target: Tensor  # f_{t+1}
     row_mask: Tensor  # bool: row t is trained (x_{t+1} is an assistant token and f_{t+1} exists)
     target_p: Tensor  # [M, K] float32 softmax of lm_head(f_{t+1}) at the M masked rows (K = V, or the draft vocabulary)
-    target_top1: Tensor  # [M] int64 argmax of the same logits; -1 where the target token is outside the draft vocabulary
+    target_top1: Tensor  # [M] int64 argmax of the same logits; -1 where the target token is outside the
+    #                      draft vocabulary
     ce_keep: Optional[Tensor] = None  # [M] bool: rows in the classification loss (None: all)
 
 

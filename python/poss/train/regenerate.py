@@ -16,7 +16,8 @@ from poss.jsonl import read_jsonl
 
 
 @torch.no_grad()
-def regenerate_conversation(tokenizer, model, messages: Sequence[Dict[str, str]], max_new_tokens: int) -> List[Dict[str, str]]:
+def regenerate_conversation(tokenizer, model, messages: Sequence[Dict[str, str]],
+                            max_new_tokens: int) -> List[Dict[str, str]]:
     out: List[Dict[str, str]] = []
     for m in messages:
         if m["role"] != "assistant":
