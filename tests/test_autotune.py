@@ -144,3 +144,55 @@ def test_auto_default_tree_is_resolved_once_and_overridable(target, monkeypatch)
         gen.resolve_tree("big")
     with pytest.raises(TypeError, match="tree must be a TreeParams or 'auto'"):
         gen.resolve_tree((60, 6))
+
+
+# -- timings taken on a busy machine: warned about, recorded, and forgotten on request ---------------
+def _fake_measure(calls):
+    def measure(gen, prompts, new_tokens=32, **kw):
+        calls.append(len(prompts))
+        return cal({1: 10.0, 4: 11.0}, {1: 1.0}, [0.5])
+    return measure
+
+
+def test_forget_drops_only_this_generators_timings(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("POSS_CACHE", str(tmp_path))
+    gen = make_generator(target, draft=True, n=3, ppl=2, aligned=True)
+    other = make_generator(target, draft=True, n=3, ppl=2, aligned=True, seed=1)  # another draft's weights
+    folder = tmp_path / "autotune"
+    folder.mkdir()
+    mine, theirs = autotune.cache_key(gen), autotune.cache_key(other)
+    files = {
+        "calibration": autotune.cache_path(mine),
+        "batch limit": autotune.cache_path({**mine, "batch_limit_for": [4, 2, 10], "batches": [2, 4]}),
+        "other draft": autotune.cache_path(theirs),
+    }
+    files["calibration"].write_text(json.dumps({"key": {**mine, "seconds": 1.0}}))
+    files["batch limit"].write_text(json.dumps({"key": {**mine, "batch_limit_for": [4, 2, 10]}, "limit": 1}))
+    files["other draft"].write_text(json.dumps({"key": {**theirs, "seconds": 1.0}}))
+    (folder / "broken.json").write_text("{not json")
+    assert autotune.forget(gen) == 2
+    assert sorted(p.name for p in folder.glob("*.json")) == sorted(["broken.json", files["other draft"].name])
+    # with its file gone, the next calibration measures again (and caches the new result)
+    calls = []
+    monkeypatch.setattr(autotune, "measure", _fake_measure(calls))
+    autotune.calibrate(gen, prompts=PROMPTS[:1])
+    assert calls == [1] and files["calibration"].exists()
+
+
+def test_a_busy_machine_warns_and_the_load_is_recorded(target, tmp_path, monkeypatch):
+    import os
+    import warnings
+
+    monkeypatch.setenv("POSS_CACHE", str(tmp_path))
+    gen = make_generator(target, draft=True, n=3, ppl=2, aligned=True)
+    monkeypatch.setattr(autotune, "measure", _fake_measure([]))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.5, 2.0, 1.0))
+    with pytest.warns(RuntimeWarning, match=r"busy \(load average 3.5 on 2 cores\).*--retune"):
+        c = autotune.calibrate(gen, prompts=PROMPTS[:1])
+    assert c.key["loadavg"] == 3.5
+    assert json.loads(autotune.cache_path(autotune.cache_key(gen)).read_text())["key"]["loadavg"] == 3.5
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.9, 2.0, 1.0))  # one core still free: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert autotune.calibrate(gen, prompts=PROMPTS[:1], refresh=True).key["loadavg"] == 1.9

@@ -47,11 +47,11 @@ constexpr int64_t kPrefetchBytes = 8192;
 
 #ifdef POSS_X86_KERNELS
 
-// Prefetch for the k step that starts at element k of a micro-kernel over NR rows of `w` (a hint:
-// addresses past the weights are harmless).
+// Prefetch for the k step that starts at element k of a micro-kernel over NR rows of `w`: the line(s)
+// `offset` bytes past what this step reads (a hint: addresses past the weights are harmless).
 template <int NR, int kVecBytes, typename T>
-inline void prefetch_ahead(const T* w, int64_t k) {
-  const char* p = reinterpret_cast<const char*>(w) + kPrefetchBytes + k * static_cast<int64_t>(sizeof(T)) * NR;
+inline void prefetch_ahead(const T* w, int64_t k, int64_t offset) {
+  const char* p = reinterpret_cast<const char*>(w) + offset + k * static_cast<int64_t>(sizeof(T)) * NR;
 #pragma GCC unroll 8
   for (int l = 0; l < NR * kVecBytes / 64; ++l) _mm_prefetch(p + 64 * l, _MM_HINT_T0);
 }
@@ -90,11 +90,12 @@ struct Bf16Avx512 {
   using T = c10::BFloat16;
   static constexpr int kMaxRows = 6;  // 6 x 4 accumulators + 6 x vectors + 1 weight vector
   static constexpr int cols(int rows) { return rows <= 2 ? 8 : 4; }
+  static constexpr bool kPrefetchNextBlock = false;  // not measured on an AVX512-BF16 CPU yet
 
   // Rows m0..m0+MR of x against weight rows n..n+NR (x rows have stride K, like the weight rows).
   template <int MR, int NR>
   POSS_AVX512BF16 static void micro(const T* xp, const T* wp, int64_t K, int64_t m0, int64_t n,
-                                    const Epilogue<T>& e) {
+                                    const Epilogue<T>& e, int64_t prefetch) {
     const auto* x = reinterpret_cast<const uint16_t*>(xp);
     const auto* w = reinterpret_cast<const uint16_t*>(wp);
     __m512 acc[MR][NR];
@@ -107,7 +108,7 @@ struct Bf16Avx512 {
       __m512bh xv[MR];
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) xv[i] = (__m512bh)_mm512_loadu_si512(x + i * K + k);
-      prefetch_ahead<NR, 64>(w, k);
+      prefetch_ahead<NR, 64>(w, k, prefetch);
 #pragma GCC unroll 8
       for (int j = 0; j < NR; ++j) {
         const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + j * K + k);
@@ -139,11 +140,13 @@ POSS_AVX2FMA inline float hsum256(__m256 v) {
 
 struct F32Avx2 {
   using T = float;
-  static constexpr int kMaxRows = 4;  // 4 x 2 accumulators + 4 x vectors + 1 weight vector
+  static constexpr int kMaxRows = 6;  // 6 x 2 accumulators + 2 weight vectors + 1 x vector
   static constexpr int cols(int rows) { return rows <= 2 ? 4 : 2; }
+  static constexpr bool kPrefetchNextBlock = true;
 
   template <int MR, int NR>
-  POSS_AVX2FMA static void micro(const T* x, const T* w, int64_t K, int64_t m0, int64_t n, const Epilogue<T>& e) {
+  POSS_AVX2FMA static void micro(const T* x, const T* w, int64_t K, int64_t m0, int64_t n, const Epilogue<T>& e,
+                                 int64_t prefetch) {
     __m256 acc[MR][NR];
 #pragma GCC unroll 4
     for (int i = 0; i < MR; ++i)
@@ -151,15 +154,17 @@ struct F32Avx2 {
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
-      __m256 xv[MR];
+      // The NR weight vectors stay in registers and each x row is loaded once per k step: 6 x 2
+      // accumulators + 2 weights + 1 x fit the 16 registers.
+      __m256 wv[NR];
 #pragma GCC unroll 4
-      for (int i = 0; i < MR; ++i) xv[i] = _mm256_loadu_ps(x + i * K + k);
-      prefetch_ahead<NR, 32>(w, k);
+      for (int j = 0; j < NR; ++j) wv[j] = _mm256_loadu_ps(w + j * K + k);
+      prefetch_ahead<NR, 32>(w, k, prefetch);
+#pragma GCC unroll 6
+      for (int i = 0; i < MR; ++i) {
+        const __m256 xv = _mm256_loadu_ps(x + i * K + k);
 #pragma GCC unroll 4
-      for (int j = 0; j < NR; ++j) {
-        const __m256 wv = _mm256_loadu_ps(w + j * K + k);
-#pragma GCC unroll 4
-        for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+        for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
       }
     }
     if (k < K) {
@@ -180,24 +185,25 @@ struct F32Avx2 {
 
 // ---- the shared driver ----
 
-// MR x rows (from row m0) against weight rows [n0, n1).
+// MR x rows (from row m0) against weight rows [n0, n1); each micro-kernel prefetches the weights
+// `prefetch` bytes past the ones it reads.
 template <typename Kern, int MR>
 void row_group(const typename Kern::T* x, const typename Kern::T* w, int64_t K, int64_t m0, int64_t n0,
-               int64_t n1, const Epilogue<typename Kern::T>& e) {
+               int64_t n1, const Epilogue<typename Kern::T>& e, int64_t prefetch) {
   constexpr int NR = Kern::cols(MR);
   const auto* xr = x + m0 * K;
   int64_t n = n0;
-  for (; n + NR <= n1; n += NR) Kern::template micro<MR, NR>(xr, w + n * K, K, m0, n, e);
-  for (; n < n1; ++n) Kern::template micro<MR, 1>(xr, w + n * K, K, m0, n, e);
+  for (; n + NR <= n1; n += NR) Kern::template micro<MR, NR>(xr, w + n * K, K, m0, n, e, prefetch);
+  for (; n < n1; ++n) Kern::template micro<MR, 1>(xr, w + n * K, K, m0, n, e, prefetch);
 }
 
 // The last M % kMaxRows rows, in one pass of the right height.
 template <typename Kern, int MR>
 void tail_rows(int64_t rows, const typename Kern::T* x, const typename Kern::T* w, int64_t K, int64_t m0,
-               int64_t n0, int64_t n1, const Epilogue<typename Kern::T>& e) {
+               int64_t n0, int64_t n1, const Epilogue<typename Kern::T>& e, int64_t prefetch) {
   if constexpr (MR > 0) {
-    if (rows == MR) return row_group<Kern, MR>(x, w, K, m0, n0, n1, e);
-    tail_rows<Kern, MR - 1>(rows, x, w, K, m0, n0, n1, e);
+    if (rows == MR) return row_group<Kern, MR>(x, w, K, m0, n0, n1, e, prefetch);
+    tail_rows<Kern, MR - 1>(rows, x, w, K, m0, n0, n1, e, prefetch);
   }
 }
 
@@ -223,12 +229,20 @@ at::Tensor linear_kernel(const at::Tensor& x, const at::Tensor& weight, const st
   const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
   // Threads only pay beyond ~0.1 M multiply-adds per block; the split never changes a result.
   const int64_t grain = M * K * kRowBlock >= (1 << 17) ? 1 : blocks;
+  // The first pass of x rows over a block streams it from memory while the FMA units wait; the
+  // later passes find it in L2 while memory waits. With kPrefetchNextBlock the later passes fetch
+  // the thread's next block (the same rows, one block on: one line per k step for NR = 2), so a
+  // tree's rows cost max(memory, compute) rather than their sum. Prefetches never change a result.
+  const int64_t ahead = kPrefetchBytes;
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t n0 = blk * kRowBlock, n1 = std::min(N, n0 + kRowBlock);
+      const int64_t later = Kern::kPrefetchNextBlock && blk + 1 < b1
+                                ? kRowBlock * K * static_cast<int64_t>(sizeof(T)) : ahead;
       int64_t m = 0;
-      for (; m + Kern::kMaxRows <= M; m += Kern::kMaxRows) row_group<Kern, Kern::kMaxRows>(xp, wp, K, m, n0, n1, e);
-      tail_rows<Kern, Kern::kMaxRows - 1>(M - m, xp, wp, K, m, n0, n1, e);
+      for (; m + Kern::kMaxRows <= M; m += Kern::kMaxRows)
+        row_group<Kern, Kern::kMaxRows>(xp, wp, K, m, n0, n1, e, m == 0 ? ahead : later);
+      tail_rows<Kern, Kern::kMaxRows - 1>(M - m, xp, wp, K, m, n0, n1, e, m == 0 ? ahead : later);
     }
   });
   return out.view(out_shape);

@@ -24,11 +24,19 @@ round: the fitted acceptance needs text, since one prompt's first 32 tokens gave
 tau of 1.72 at 60/6, three prompts x 64 tokens 1.93, and the benchmark's 16 prompts x 256 tokens 2.74)
 at T in {1, 4, 8, 16, 32, 60} and d in {1..6}, and cached as JSON under
 ``<poss cache>/autotune/`` keyed by CPU model, threads, dtype, target and draft fingerprints.
+
+Timings taken while other work fills the cores are off (on a 2-core machine, under a test run and a
+compiler, a 4-node verify timed 1.4x a decode step; alone, the ratio is what the tree choice rests
+on). A measurement that starts on a busy machine warns, records the load average with the result,
+and :func:`forget` (``poss generate --retune``) drops the cached timings so the next use measures
+again.
 """
 
 import hashlib
 import json
+import os
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -41,7 +49,7 @@ DEPTHS = (1, 2, 3, 4, 5, 6)
 # Calibration configs (T, d): every size and every depth timed at least once.
 CALIBRATION = ((1, 0), (4, 1), (8, 2), (16, 3), (32, 4), (60, 5), (60, 6))
 DEFAULT_S, DEFAULT_BETA = 1.0, 0.5
-CACHE_VERSION = 4  # bump when what is measured or its kernels change: old cache files are then ignored
+CACHE_VERSION = 5  # bump when what is measured or its kernels change: old cache files are then ignored
 
 
 @dataclass
@@ -175,6 +183,42 @@ def cache_path(key: Dict):
     return cache_root() / "autotune" / f"{digest}.json"
 
 
+def forget(gen) -> int:
+    """Remove every cached timing of ``gen`` (its calibration and its batch limits for any tree) on
+    this machine, threads and dtype, so the next use measures again; returns how many files went."""
+    from poss.models.downloads import cache_root
+
+    key = cache_key(gen)
+    gone = 0
+    for path in (cache_root() / "autotune").glob("*.json"):
+        try:
+            stored = json.loads(path.read_text()).get("key", {})
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(stored, dict) and all(stored.get(k) == v for k, v in key.items()):
+            path.unlink(missing_ok=True)
+            gone += 1
+    return gone
+
+
+def load_average() -> Optional[float]:
+    """The 1-minute load average (None where the OS has none)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def warn_if_busy(what: str) -> Optional[float]:
+    """Warn when every core was already busy on average before a timing starts; returns the load."""
+    load, cores = load_average(), os.cpu_count() or 1
+    if load is not None and load >= cores:
+        warnings.warn(f"{what}: the machine is busy (load average {load:.1f} on {cores} cores), so the timings "
+                      "and the choice made from them may be off; they are cached: rerun with --retune "
+                      "(poss.load(..., retune=True)) when the machine is quiet", RuntimeWarning, stacklevel=3)
+    return load
+
+
 def calibration_prompts(n: int) -> List[str]:
     from poss.data.eval_sets import load_eval_set
 
@@ -243,10 +287,11 @@ def calibrate(gen, n_prompts: int = 3, new_tokens: int = 64, refresh: bool = Fal
         prompts = [gen.encode(t) for t in calibration_prompts(n_prompts)] if gen.tokenizer is not None else None
     if not prompts:
         raise ValueError("calibration needs prompts (this generator has no tokenizer: pass token ids)")
+    load = warn_if_busy("timing draft tree sizes")
     t = time.perf_counter()
     cal = measure(gen, prompts, new_tokens)
     cal.key = {**key, "seconds": round(time.perf_counter() - t, 1), "n_prompts": len(prompts),
-               "new_tokens": new_tokens}
+               "new_tokens": new_tokens, "loadavg": load}
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(cal.to_json(), indent=1))
@@ -310,12 +355,13 @@ def speculation_limit(gen, tree: TreeParams, max_batch: Optional[int] = None, re
     prompts = [gen.encode(t) for t in calibration_prompts(1)] if gen.tokenizer is not None else None
     if not prompts:
         raise ValueError("measuring the batch limit needs a prompt (this generator has no tokenizer)")
+    load = warn_if_busy("timing batch sizes")
     tok_s = measure_batches(gen, tree, prompts[0], batches)
     limit = batch_limit(tok_s)
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"key": key, "tokens_per_s": {B: list(v) for B, v in tok_s.items()},
-                                    "limit": limit}, indent=1))
+                                    "limit": limit, "loadavg": load}, indent=1))
     return limit
 
 

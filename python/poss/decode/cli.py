@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser, chat: bool) -> None:
     t.add_argument("--depth", type=int_or_auto(0), default="auto", help="draft positions below the root")
     t.add_argument("--beam-width", "--top-k-draft", dest="beam_width", type=int_at_least(1), default=10,
                    help="children kept per frontier node and frontier size per level")
+    t.add_argument("--retune", action="store_true",
+                   help="time this machine again instead of using the cached timings (after a first run on a "
+                        "busy machine)")
 
 
 def check_arguments(args) -> None:
@@ -95,7 +98,8 @@ def _load(args):
         torch.set_num_threads(args.threads)
     limit = getattr(args, "speculate_max_batch", "auto")  # chat has one conversation: no flag
     return load(args.target, draft=chosen_draft(args, "poss"), dtype=resolve_dtype(args.dtype, "cpu"),
-                compile=args.compile, speculate_max_batch=None if limit == "off" else limit)
+                compile=args.compile, speculate_max_batch=None if limit == "off" else limit,
+                retune=args.retune)
 
 
 def _speed_line(stats) -> str:

@@ -12,7 +12,7 @@ from poss.decode.params import TreeParams
 def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, Path]] = None,
          dtype: Union[str, torch.dtype] = "auto", device="cpu", context_limit: Optional[int] = None,
          tree: Union[TreeParams, str] = "auto", compile: bool = False,
-         speculate_max_batch: Union[int, str, None] = "auto") -> Generator:
+         speculate_max_batch: Union[int, str, None] = "auto", retune: bool = False) -> Generator:
     """Load the target offline and, when ``draft`` is a PosS draft folder, attach it.
 
     With ``draft=None`` the generator decodes autoregressively on the same runner (the baseline);
@@ -25,7 +25,9 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
     :class:`TreeParams`. ``speculate_max_batch``: the generator's
     :attr:`~Generator.speculate_max_batch`: calls with more live requests decode plainly; ``"auto"``
     (the default) measures where tree rounds stop paying on this machine (once, cached on disk), None
-    always speculates. ``compile``: :func:`compile_steps` (off by default: on the development CPU it
+    always speculates. ``retune``: forget this machine's cached timings for this target and draft
+    (:func:`poss.decode.autotune.forget`), so both ``"auto"`` choices measure again (after timings
+    taken on a busy machine). ``compile``: :func:`compile_steps` (off by default: on the development CPU it
     bought 2-8 % for ~30 s of compilation, see docs/benchmarks.md). Raises ``ValueError`` when the draft
     was trained for a different target.
     """
@@ -46,6 +48,10 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
                     generation_config=getattr(model, "generation_config", None))
     gen.default_tree = tree
     gen.speculate_max_batch = speculate_max_batch
+    if retune:
+        from poss.decode.autotune import forget
+
+        forget(gen)
     return compile_steps(gen) if compile else gen
 
 

@@ -46,6 +46,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--speculate-max-batch", type=int_or_auto(1, words=("auto", "off")), default="auto",
                    help="speculate only while at most this many requests are live; larger batches decode "
                         "plainly (auto: measured once on this machine; off: always speculate)")
+    p.add_argument("--retune", action="store_true",
+                   help="time this machine again instead of using the cached timings (after a first run on a "
+                        "busy machine)")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level")
     return p
@@ -81,7 +84,7 @@ def run_serve(args) -> int:
 
     draft = chosen_draft(args, "poss serve")
     try:
-        gen = load(args.target, draft=draft, dtype=args.dtype, device=args.device)
+        gen = load(args.target, draft=draft, dtype=args.dtype, device=args.device, retune=args.retune)
         tree = gen.resolve_tree(tree_from_flags(args.num_nodes, args.depth, args.beam_width),
                                 beam_width=args.beam_width)
     except (ValueError, FileNotFoundError, OSError) as exc:
