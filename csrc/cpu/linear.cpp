@@ -233,16 +233,15 @@ at::Tensor linear_kernel(const at::Tensor& x, const at::Tensor& weight, const st
   // later passes find it in L2 while memory waits. With kPrefetchNextBlock the later passes fetch
   // the thread's next block (the same rows, one block on: one line per k step for NR = 2), so a
   // tree's rows cost max(memory, compute) rather than their sum. Prefetches never change a result.
-  const int64_t ahead = kPrefetchBytes;
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t n0 = blk * kRowBlock, n1 = std::min(N, n0 + kRowBlock);
       const int64_t later = Kern::kPrefetchNextBlock && blk + 1 < b1
-                                ? kRowBlock * K * static_cast<int64_t>(sizeof(T)) : ahead;
+                                ? kRowBlock * K * static_cast<int64_t>(sizeof(T)) : kPrefetchBytes;
       int64_t m = 0;
       for (; m + Kern::kMaxRows <= M; m += Kern::kMaxRows)
-        row_group<Kern, Kern::kMaxRows>(xp, wp, K, m, n0, n1, e, m == 0 ? ahead : later);
-      tail_rows<Kern, Kern::kMaxRows - 1>(M - m, xp, wp, K, m, n0, n1, e, m == 0 ? ahead : later);
+        row_group<Kern, Kern::kMaxRows>(xp, wp, K, m, n0, n1, e, m == 0 ? kPrefetchBytes : later);
+      tail_rows<Kern, Kern::kMaxRows - 1>(M - m, xp, wp, K, m, n0, n1, e, m == 0 ? kPrefetchBytes : later);
     }
   });
   return out.view(out_shape);

@@ -172,6 +172,10 @@ def check_target(value: str, flag: str = "--target") -> None:
                      "an HF model folder with config.json, nor a .gguf file")
 
 
+RETUNE_HELP = ("time this machine again instead of using the cached timings (after a first run on a busy "
+               "machine)")
+
+
 def target_help() -> str:
     return f"registry name ({', '.join(registry_names())}), HF model folder or .gguf file"
 

@@ -176,21 +176,23 @@ def cache_key(gen) -> Dict:
             "draft": weight_fingerprint(list(draft.named_parameters())) if draft is not None else None}
 
 
-def cache_path(key: Dict):
+def cache_dir():
     from poss.models.downloads import cache_root
 
+    return cache_root() / "autotune"
+
+
+def cache_path(key: Dict):
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_root() / "autotune" / f"{digest}.json"
+    return cache_dir() / f"{digest}.json"
 
 
 def forget(gen) -> int:
     """Remove every cached timing of ``gen`` (its calibration and its batch limits for any tree) on
     this machine, threads and dtype, so the next use measures again; returns how many files went."""
-    from poss.models.downloads import cache_root
-
     key = cache_key(gen)
     gone = 0
-    for path in (cache_root() / "autotune").glob("*.json"):
+    for path in cache_dir().glob("*.json"):
         try:
             stored = json.loads(path.read_text()).get("key", {})
         except (OSError, ValueError, AttributeError):

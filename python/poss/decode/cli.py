@@ -5,6 +5,7 @@ import re
 import sys
 
 from poss.cli_args import (
+    RETUNE_HELP,
     UsageError,
     check_draft,
     check_target,
@@ -54,9 +55,7 @@ def add_arguments(p: argparse.ArgumentParser, chat: bool) -> None:
     t.add_argument("--depth", type=int_or_auto(0), default="auto", help="draft positions below the root")
     t.add_argument("--beam-width", "--top-k-draft", dest="beam_width", type=int_at_least(1), default=10,
                    help="children kept per frontier node and frontier size per level")
-    t.add_argument("--retune", action="store_true",
-                   help="time this machine again instead of using the cached timings (after a first run on a "
-                        "busy machine)")
+    t.add_argument("--retune", action="store_true", help=RETUNE_HELP)
 
 
 def check_arguments(args) -> None:

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 from poss.cli_args import (
+    RETUNE_HELP,
     Formatter,
     UsageError,
     check_draft,
@@ -46,9 +47,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--speculate-max-batch", type=int_or_auto(1, words=("auto", "off")), default="auto",
                    help="speculate only while at most this many requests are live; larger batches decode "
                         "plainly (auto: measured once on this machine; off: always speculate)")
-    p.add_argument("--retune", action="store_true",
-                   help="time this machine again instead of using the cached timings (after a first run on a "
-                        "busy machine)")
+    p.add_argument("--retune", action="store_true", help=RETUNE_HELP)
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level")
     return p
