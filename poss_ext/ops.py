@@ -227,8 +227,9 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, residual: O
         bias: ``[N]`` or None; residual: ``[..., N]`` (x's leading shape) or None.
     Returns:
         ``[..., N]`` in x's dtype. Where :func:`cpu_linear_kernel` names one of our kernels (bf16 on
-        AVX512-BF16, fp32 on AVX2 + FMA), rows are computed independently of each other: row i of a
-        call is bit-identical to the same row computed alone. No backward (inference only).
+        AVX512-BF16, bf16 and fp32 on AVX2 + FMA), rows are computed independently of each other:
+        row i of a call is bit-identical to the same row computed alone. No backward (inference
+        only).
     """
     return torch.ops.poss.linear(x, weight, bias, residual)
 
@@ -241,7 +242,9 @@ def _linear_fake(x, weight, bias=None, residual=None):
 
 def cpu_linear_kernel(dtype: torch.dtype = torch.bfloat16) -> str:
     """The CPU kernel of :func:`linear` for ``dtype``: ``"avx512-bf16"`` (bf16 on a CPU with
-    AVX512-BF16) or ``"avx2-fma"`` (fp32 on AVX2 + FMA), our row-invariant kernels; else ``"aten"``
+    AVX512-BF16), ``"avx2-bf16"`` (bf16 on a CPU with AVX2 + FMA but not AVX512-BF16: the weights
+    widened to fp32 as they stream) or ``"avx2-fma"`` (fp32 on AVX2 + FMA), our row-invariant
+    kernels; else ``"aten"``
     (the vendor GEMM; also forced by ``POSS_LINEAR=aten`` when poss_ext was loaded)."""
     from poss_ext import _C
 

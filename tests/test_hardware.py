@@ -8,12 +8,19 @@ from poss import hardware
 
 @pytest.mark.parametrize("flags,want", [({"avx2", "avx512f", "avx512_bf16"}, torch.bfloat16),
                                         ({"avx2", "amx_bf16", "amx_tile"}, torch.bfloat16),
-                                        ({"avx2", "avx512f"}, torch.float32),
-                                        ({"avx2"}, torch.float32)])
+                                        ({"avx2", "fma"}, torch.bfloat16),  # our AVX2 bf16 kernel
+                                        ({"avx2", "fma", "avx512f"}, torch.bfloat16),
+                                        ({"avx2"}, torch.float32),
+                                        ({"sse4_2"}, torch.float32),
+                                        (set(), torch.float32)])  # e.g. no /proc/cpuinfo flags line
 def test_auto_picks_bf16_only_where_it_is_fast(monkeypatch, flags, want):
     monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset(flags))
     assert hardware.resolve_dtype("auto", "cpu") == want
     assert hardware.resolve_dtype("auto", "cuda") == torch.bfloat16
+    # Training runs torch's GEMMs under autocast: bf16 only with hardware bf16.
+    hw = bool({"avx512_bf16", "amx_bf16"} & flags)
+    assert hardware.resolve_dtype("auto", "cpu", training=True) == (torch.bfloat16 if hw else torch.float32)
+    assert hardware.resolve_dtype("auto", "cuda", training=True) == torch.bfloat16
 
 
 def test_names_and_dtypes_pass_through():

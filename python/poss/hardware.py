@@ -2,8 +2,10 @@
 bandwidth a decode step is bound by, and a one-line header for every benchmark.
 
 Machines differ: some CPUs have AMX / AVX512-BF16 (bf16 GEMMs several times faster than fp32),
-others only AVX2 (where bf16 is converted in software and is slower than fp32). ``dtype="auto"``
-picks bf16 only where it is fast.
+others only AVX2 + FMA. There torch's bf16 GEMMs convert in software and are slower than fp32, but
+``poss.linear``'s AVX2 bf16 kernel widens the weights as they stream, so a decode step reads half
+fp32's bytes: on a 2-core AVX2 EPYC our AR loop ran 1.6x faster in bf16 than in fp32
+(``docs/benchmarks.md``). ``dtype="auto"`` picks bf16 wherever one of those kernels runs it.
 """
 
 import functools
@@ -47,8 +49,17 @@ def cpu_has_fast_bf16(flags: FrozenSet[str] = None) -> bool:
     return bool({"amx_bf16", "avx512_bf16"} & flags)
 
 
-def resolve_dtype(dtype: Union[str, torch.dtype], device: Union[str, torch.device] = "cpu") -> torch.dtype:
-    """``"auto"``: bf16 on CUDA and on CPUs with fast bf16, else fp32; names and torch dtypes pass through.
+def cpu_runs_bf16_fast(flags: FrozenSet[str] = None) -> bool:
+    """Hardware bf16, or AVX2 + FMA (``poss.linear``'s kernel that widens bf16 weights as they stream)."""
+    flags = cpu_flags() if flags is None else flags
+    return cpu_has_fast_bf16(flags) or {"avx2", "fma"} <= flags
+
+
+def resolve_dtype(dtype: Union[str, torch.dtype], device: Union[str, torch.device] = "cpu",
+                  training: bool = False) -> torch.dtype:
+    """``"auto"``: bf16 on CUDA and where :func:`cpu_runs_bf16_fast`, else fp32; names and torch dtypes
+    pass through. ``training=True``: bf16 on the CPU only with hardware bf16 (:func:`cpu_has_fast_bf16`),
+    since training runs torch's own GEMMs, which convert bf16 in software elsewhere.
 
     Raises ``ValueError`` naming ``dtype`` for anything else.
     """
@@ -59,7 +70,8 @@ def resolve_dtype(dtype: Union[str, torch.dtype], device: Union[str, torch.devic
     if dtype == "auto":
         if torch.device(device).type == "cuda":
             return torch.bfloat16
-        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+        fast = cpu_has_fast_bf16() if training else cpu_runs_bf16_fast()
+        return torch.bfloat16 if fast else torch.float32
     if dtype in DTYPES:
         return DTYPES[dtype]
     raise ValueError(f"dtype must be one of 'auto', {', '.join(repr(k) for k in DTYPES)}, got {dtype!r}")

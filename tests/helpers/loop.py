@@ -28,8 +28,8 @@ def hf_greedy(model, prompt, max_new_tokens, **kw):
 
 def assert_lossless_in_dtype(dtype, fp32_model, prompts, got, want) -> int:
     """Speculation (``got``) against our AR loop (``want``), both in ``dtype``. Where poss::linear runs
-    one of our row-invariant kernels for ``dtype`` (bf16 on AVX512-BF16, fp32 on AVX2 + FMA) they must
-    be identical; with the vendor GEMM a path may part at a near-tie (see
+    one of our row-invariant kernels for ``dtype`` (bf16 on AVX512-BF16 or AVX2, fp32 on AVX2 + FMA)
+    they must be identical; with the vendor GEMM a path may part at a near-tie (see
     :func:`assert_divergences_are_near_ties`). Returns how many parted."""
     import poss_ext
 

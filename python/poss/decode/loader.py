@@ -18,7 +18,8 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
     With ``draft=None`` the generator decodes autoregressively on the same runner (the baseline);
     :func:`poss.models.registry.shipped_draft` names the draft shipped for a registry target.
     ``dtype``: ``"auto"`` (the default) runs in bf16 on CUDA and on CPUs with hardware bf16 (AMX /
-    AVX512-BF16), else fp32 (:func:`poss.hardware.resolve_dtype`); a name (``"bf16"``) or a torch dtype
+    AVX512-BF16) or AVX2 + FMA (``poss.linear``'s AVX2 bf16 kernel), else fp32
+    (:func:`poss.hardware.resolve_dtype`); a name (``"bf16"``) or a torch dtype
     is used as given. ``tree``: the generator's ``default_tree``: ``"auto"`` (the default) sizes the
     draft tree for this machine, dtype and draft on the first call that needs it (timed once, about a
     minute on a small CPU, then cached on disk; :meth:`TreeParams.auto`), or a fixed

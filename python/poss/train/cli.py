@@ -79,7 +79,7 @@ def _prepare(args):
     device = f"cuda:{info.local_rank}" if args.device.startswith("cuda") else args.device
     from poss.hardware import resolve_dtype
 
-    dtype = resolve_dtype(args.dtype, device)
+    dtype = resolve_dtype(args.dtype, device, training=True)
     tokenizer, hf = load_model(args.target, dtype=dtype, device=device)
     runner = TargetRunner(hf, max_batch=args.batch_size, max_seq=args.max_len, dtype=dtype)
     if args.data:
