@@ -201,12 +201,14 @@ def matches(rows: List[Dict], ref: Dict) -> None:
 def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", drafts: Optional[List[str]] = None,
         fixed=((60, 6), (16, 4), (8, 3), (4, 2)), sweep_draft: str = "poss2",
         llama: bool = True, hf_rows: bool = True, compiled: bool = False, batches: Sequence[int] = (),
-        fixed_all: bool = True, pages_row: bool = True, log=print) -> Dict:
+        fixed_all: bool = True, pages_row: bool = True, hf_extra_dtypes: Sequence[str] = (), log=print) -> Dict:
     """Every row on the real SmolLM2-135M-Instruct (registry) and its shipped drafts.
 
     ``fixed``: the (nodes, depth) trees the ``sweep_draft`` is also timed at; with ``fixed_all`` every
     other draft is timed at the first of them too (the paper's 60/6 by default). ``pages_row``: our AR
     loop again with the weights on 4 KB pages (what 2 MB pages buy), where the OS has huge pages.
+    ``hf_extra_dtypes``: HF rows also in these dtypes (named "HF generate (float32)" etc.), e.g. fp32 on
+    a CPU where torch's own bf16 GEMMs are slow while ours run bf16.
     """
     import poss
     from poss import hardware
@@ -286,12 +288,14 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
     gen.draft = None
     if compiled:
         rows += compiled_rows(gen, prompts, new, sweep_draft, out["auto"].get(sweep_draft), log)
-    if hf_rows:
-        _, model = load_model(resolve("smollm2-135m"), dtype=dt)
+    hf_dtypes = [dt] + [d for d in map(hardware.resolve_dtype, hf_extra_dtypes) if d != dt]
+    for hdt in hf_dtypes if hf_rows else []:
+        _, model = load_model(resolve("smollm2-135m"), dtype=hdt)
         model.generation_config.eos_token_id = None
+        suffix = "" if hdt == dt else f" ({str(hdt).replace('torch.', '')})"
         for name, kw in (("HF generate", {}), ("HF prompt lookup (10)", {"prompt_lookup_num_tokens": 10})):
-            rows.append(hf(model, prompts, new, name, **kw))
-            log(f"  {name}: {rows[-1]['tokens_per_s']:.1f} tok/s")
+            rows.append(hf(model, prompts, new, name + suffix, **kw))
+            log(f"  {rows[-1]['name']}: {rows[-1]['tokens_per_s']:.1f} tok/s")
     if llama:
         try:
             import llama_cpp  # noqa: F401
@@ -325,6 +329,8 @@ def main(argv=None):
     ap.add_argument("--drafts", nargs="*", help="shipped draft folder names (default: all)")
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--hf-extra-dtypes", nargs="*", default=[], metavar="DTYPE",
+                    help="HF rows also in these dtypes (e.g. float32 where torch's bf16 GEMMs are slow)")
     ap.add_argument("--compile", action="store_true", help="add torch.compile rows (AR and the sweep draft at auto)")
     ap.add_argument("--batch", type=int, nargs="*", default=[],
                     help="also decode this many requests together (e.g. 4 16)")
@@ -342,7 +348,8 @@ def main(argv=None):
         ap.error(f"--fixed: expected NODES/DEPTH pairs such as 60/6 (nodes >= 1, depth >= 0), got {args.fixed}")
     res = run(args.prompts, args.new, args.threads, args.dtype, args.drafts, sweep_draft=args.sweep_draft,
               llama=not args.no_llama, hf_rows=not args.no_hf, compiled=args.compile,
-              batches=args.batch, fixed=fixed, fixed_all=not args.no_fixed_others, pages_row=not args.no_pages_row)
+              batches=args.batch, fixed=fixed, fixed_all=not args.no_fixed_others, pages_row=not args.no_pages_row,
+              hf_extra_dtypes=args.hf_extra_dtypes)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(f"wrote {args.out} ({res['wall_seconds']:.0f} s)")

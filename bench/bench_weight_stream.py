@@ -2,10 +2,10 @@
 
 An AR step is ~30 layers of ``x [M, 576] @ W.T`` over weights far bigger than the caches, so its speed
 is the GB/s these calls read weights at. This times torch's ``F.linear`` (the vendor GEMM, oneDNN / MKL)
-and ``poss_ext.ops.linear`` (our row-invariant AVX512-BF16 kernel for bf16 where the CPU has it, else
-the same vendor GEMM) over a stack of SmolLM2-sized MLP weights (60 x 1536 x 576: 106 MB in bf16,
-212 MB in fp32) at M = 1 / 5 / 8 / 16 rows (batch-1 decoding and 5- to 16-node trees), against the
-core's plain read bandwidth (``poss.hardware.read_bandwidth_gbs``).
+and ``poss_ext.ops.linear`` (our row-invariant kernels: bf16 on AVX512-BF16 or AVX2 + FMA, fp32 on
+AVX2 + FMA; elsewhere the same vendor GEMM) over a stack of SmolLM2-sized MLP weights (60 x 1536 x
+576: 106 MB in bf16, 212 MB in fp32) at M = 1 / 5 / 8 / 16 rows (batch-1 decoding and 5- to 16-node
+trees), against the core's plain read bandwidth (``poss.hardware.read_bandwidth_gbs``).
 
     PYTHONPATH=.:python python bench/bench_weight_stream.py --threads 1      # a table
     PYTHONPATH=.:python pytest bench/bench_weight_stream.py --benchmark-only  # pytest-benchmark
