@@ -7,6 +7,11 @@ For each draft, generates greedily for the first ``--prompts`` first-turn prompt
 verify round) and, per draft position k, the acceptance rate
 alpha_k = P(round accepts >= k tokens | it accepted >= k-1), the per-position metric of the PosS
 paper. Every draft's output is checked to be token-identical to plain decoding.
+
+``--teacher-forced`` also scores each draft the way training validates it (``poss.train.validate``:
+top-1 agreement at draft steps 1..depth, later steps on the draft's own features) on the same plain
+greedy answers, beside the held-out accuracy stored in the draft's config.json: whether that held-out
+accuracy predicts acceptance on these prompts.
 """
 
 import argparse
@@ -38,6 +43,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-nodes", type=int, default=60)
     ap.add_argument("--depth", type=int, default=6)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--teacher-forced", action="store_true",
+                    help="also score acc@k of each draft on the same answers as training validation does")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -47,7 +54,7 @@ def main(argv=None) -> int:
     base = poss.load(a.target)
     prompts = [base.encode(t) for t in texts]
     want = [base.generate(p, a.max_new_tokens).token_ids[0] for p in prompts]
-    rows = []
+    rows, forced = [], []
     for d in a.drafts:
         gen = poss.load(a.target, draft=d)
         hist, t0 = [0] * (a.depth + 1), time.perf_counter()
@@ -60,13 +67,40 @@ def main(argv=None) -> int:
         tau = sum((k + 1) * c for k, c in enumerate(hist)) / rounds
         rows.append((str(d), tau, alphas(hist), rounds, time.perf_counter() - t0))
         print(f"{d}: tau {tau:.2f} over {rounds} rounds", file=sys.stderr)
+        if a.teacher_forced:
+            forced.append((str(d),) + teacher_forced(d, gen.runner, prompts, want, a.depth))
     print("| draft | tau | " + " | ".join(f"alpha_{k}" for k in range(1, a.depth + 1)) + " | rounds |")
     print("|---|---|" + "---|" * a.depth + "---|")
     for name, tau, al, rounds, _ in rows:
         print(f"| {name} | {tau:.2f} | " + " | ".join(f"{x:.2f}" for x in al) + f" | {rounds} |")
     print(f"\n{len(prompts)} prompts ({', '.join(a.sets)}), {a.max_new_tokens} new tokens, greedy, "
           f"{a.num_nodes}-node trees of depth {a.depth}; every output equals plain greedy decoding.")
+    if forced:
+        print("\n| draft | acc@k on these answers (teacher-forced) | acc@k held out (config.json) |")
+        print("|---|---|---|")
+        for name, here, held in forced:
+            print(f"| {name} | {' / '.join(f'{x:.3f}' for x in here)} | {' / '.join(f'{x:.3f}' for x in held)} |")
     return 0
+
+
+def teacher_forced(draft_dir, runner, prompts, answers, steps):
+    """(acc@1..steps on prompt + answer pairs, the held-out acc@k in the draft's config.json)."""
+    from poss.models.draft import PosSDraft
+    from poss.train.data import Example
+    from poss.train.features import make_features
+    from poss.train.objective import Objective
+    from poss.train.validate import evaluate
+
+    examples = []
+    for p, w in zip(prompts, answers):
+        ids = torch.tensor(list(p) + list(w))
+        mask = torch.zeros_like(ids)
+        mask[len(p):] = 1  # score the answer positions only, as training does
+        examples.append(Example(ids, mask))
+    draft = PosSDraft.load(draft_dir, dtype=torch.float32, device=runner.device)
+    here = evaluate(draft, make_features(runner), examples, list(range(len(examples))), Objective(steps=steps),
+                    runner)["acc"]
+    return here, (draft.config.training or {}).get("val", {}).get("acc", [])
 
 
 if __name__ == "__main__":

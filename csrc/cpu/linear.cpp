@@ -191,6 +191,11 @@ struct F32Avx2 {
 };
 
 // ---- bf16 weights widened to fp32 (AVX2 + FMA) ----
+//
+// Tried and not kept (AVX2 EPYC, one core, 2026-12-03): one 32-byte load per row per 16 weights split
+// into even and odd elements by a shift and a mask (x packed to match, the AVX512 kernel's pair
+// layout) streamed no faster: 13.4 / 11.0 / 6.5 / 3.7 GB/s at M = 1 / 5 / 8 / 16 against this
+// kernel's 14.0 / 11.1 / 6.8 / 4.0. Past one row the FMAs and loads bound it, not the widening.
 
 // Eight bf16 -> eight fp32, exactly: the 16 bits become the high half of each lane.
 POSS_AVX2FMA inline __m256 widen8(const uint16_t* p) {
