@@ -136,7 +136,7 @@ struct Bf16Avx512 {
   }
 };
 
-// ---- fp32 (AVX2 + FMA) ----
+// ---- fp32 and bf16 weights on AVX2 + FMA: 8 fp32 lanes ----
 
 POSS_AVX2FMA inline float hsum256(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -144,12 +144,49 @@ POSS_AVX2FMA inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
-struct F32Avx2 {
+// The weights as the AVX2 kernel reads them: eight per k step, as eight fp32 lanes.
+struct F32Weights {
   using T = float;
-  using XT = float;
-  static constexpr int kMaxRows = 6;  // 6 x 2 accumulators + 2 weight vectors + 1 x vector
   static constexpr int cols(int rows) { return rows <= 2 ? 4 : 2; }
+  POSS_AVX2FMA static __m256 load(const T* p) { return _mm256_loadu_ps(p); }
+  POSS_AVX2FMA static __m256 load_tail(const T* p, int64_t, __m256i mask) { return _mm256_maskload_ps(p, mask); }
+};
+
+// bf16 weights are widened to fp32 as they stream (x was widened once per call).
+//
+// Tried and not kept (AVX2 EPYC, one core, 2026-12-03): one 32-byte load per row per 16 weights split
+// into even and odd elements by a shift and a mask (x packed to match, the AVX512 kernel's pair
+// layout) streamed no faster: 13.4 / 11.0 / 6.5 / 3.7 GB/s at M = 1 / 5 / 8 / 16 against this
+// kernel's 14.0 / 11.1 / 6.8 / 4.0. Past one row the FMAs and loads bound it, not the widening.
+
+// Eight bf16 -> eight fp32, exactly: the 16 bits become the high half of each lane.
+POSS_AVX2FMA inline __m256 widen8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+struct Bf16Weights {
+  using T = c10::BFloat16;
+  // One x row: two weight rows streamed 1.05x faster than four, eight 0.65x (AVX2 EPYC, one core).
+  static constexpr int cols(int rows) { return rows == 1 ? 2 : rows == 2 ? 4 : 2; }
+  POSS_AVX2FMA static __m256 load(const T* p) { return widen8(reinterpret_cast<const uint16_t*>(p)); }
+  POSS_AVX2FMA static __m256 load_tail(const T* p, int64_t n, __m256i) {
+    alignas(16) uint16_t buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    std::memcpy(buf, p, static_cast<size_t>(n) * sizeof(uint16_t));
+    return widen8(buf);
+  }
+};
+
+template <typename Weights>
+struct Avx2Fma {
+  using T = typename Weights::T;
+  using XT = float;  // bf16 x is widened once per call: each k step then widens only the weights
+  static constexpr int kMaxRows = 6;  // 6 x 2 accumulators + 2 weight vectors + 1 x vector
+  static constexpr int cols(int rows) { return Weights::cols(rows); }
   static constexpr bool kPrefetchNextBlock = true;
+  // A k step reads NR x 8 weights; NR / 2 lines (NR x 32 bytes) are prefetched every this many steps
+  // (bf16: every second step, measured a little faster than NR lines every fourth).
+  static constexpr int kPrefetchEvery = 32 / (8 * sizeof(T));
 
   template <int MR, int NR>
   POSS_AVX2FMA static void micro(const XT* x, const T* w, int64_t K, int64_t m0, int64_t n, const Epilogue<T>& e,
@@ -165,8 +202,8 @@ struct F32Avx2 {
       // accumulators + 2 weights + 1 x fit the 16 registers.
       __m256 wv[NR];
 #pragma GCC unroll 4
-      for (int j = 0; j < NR; ++j) wv[j] = _mm256_loadu_ps(w + j * K + k);
-      prefetch_ahead<NR, 32>(w, k, prefetch);
+      for (int j = 0; j < NR; ++j) wv[j] = Weights::load(w + j * K + k);
+      if (kPrefetchEvery == 1 || k % (8 * kPrefetchEvery) == 0) prefetch_ahead<NR, 32>(w, k, prefetch);
 #pragma GCC unroll 6
       for (int i = 0; i < MR; ++i) {
         const __m256 xv = _mm256_loadu_ps(x + i * K + k);
@@ -181,7 +218,7 @@ struct F32Avx2 {
       __m256 xv[MR];
       for (int i = 0; i < MR; ++i) xv[i] = _mm256_maskload_ps(x + i * K + k, tail);
       for (int j = 0; j < NR; ++j) {
-        const __m256 wv = _mm256_maskload_ps(w + j * K + k, tail);
+        const __m256 wv = Weights::load_tail(w + j * K + k, K - k, tail);
         for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
       }
     }
@@ -190,72 +227,8 @@ struct F32Avx2 {
   }
 };
 
-// ---- bf16 weights widened to fp32 (AVX2 + FMA) ----
-//
-// Tried and not kept (AVX2 EPYC, one core, 2026-12-03): one 32-byte load per row per 16 weights split
-// into even and odd elements by a shift and a mask (x packed to match, the AVX512 kernel's pair
-// layout) streamed no faster: 13.4 / 11.0 / 6.5 / 3.7 GB/s at M = 1 / 5 / 8 / 16 against this
-// kernel's 14.0 / 11.1 / 6.8 / 4.0. Past one row the FMAs and loads bound it, not the widening.
-
-// Eight bf16 -> eight fp32, exactly: the 16 bits become the high half of each lane.
-POSS_AVX2FMA inline __m256 widen8(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-POSS_AVX2FMA inline __m256 widen8_tail(const uint16_t* p, int64_t n) {
-  alignas(16) uint16_t buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  std::memcpy(buf, p, static_cast<size_t>(n) * sizeof(uint16_t));
-  return widen8(buf);
-}
-
-struct Bf16Avx2 {
-  using T = c10::BFloat16;
-  using XT = float;  // x widened once per call: each k step then widens only the weights
-  static constexpr int kMaxRows = 6;  // as F32Avx2: 6 x 2 accumulators + 2 weight vectors + 1 x vector
-  // One x row: two weight rows streamed 1.05x faster than four, eight 0.65x (AVX2 EPYC, one core).
-  static constexpr int cols(int rows) { return rows == 1 ? 2 : rows == 2 ? 4 : 2; }
-  static constexpr bool kPrefetchNextBlock = true;
-
-  template <int MR, int NR>
-  POSS_AVX2FMA static void micro(const XT* x, const T* wp, int64_t K, int64_t m0, int64_t n, const Epilogue<T>& e,
-                                 int64_t prefetch) {
-    const auto* w = reinterpret_cast<const uint16_t*>(wp);
-    __m256 acc[MR][NR];
-#pragma GCC unroll 4
-    for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 4
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 8 <= K; k += 8) {
-      __m256 wv[NR];
-#pragma GCC unroll 4
-      for (int j = 0; j < NR; ++j) wv[j] = widen8(w + j * K + k);
-      // 16 bytes of each weight row per k step: NR / 2 lines every second step cover the stream
-      // (measured a little faster than NR lines every fourth).
-      if ((k & 15) == 0) prefetch_ahead<NR, 32>(w, k, prefetch);
-#pragma GCC unroll 6
-      for (int i = 0; i < MR; ++i) {
-        const __m256 xv = _mm256_loadu_ps(x + i * K + k);
-#pragma GCC unroll 4
-        for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
-      }
-    }
-    if (k < K) {
-      alignas(32) int32_t lanes[8];
-      for (int l = 0; l < 8; ++l) lanes[l] = k + l < K ? -1 : 0;
-      const __m256i tail = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
-      __m256 xv[MR];
-      for (int i = 0; i < MR; ++i) xv[i] = _mm256_maskload_ps(x + i * K + k, tail);
-      for (int j = 0; j < NR; ++j) {
-        const __m256 wv = widen8_tail(w + j * K + k, K - k);
-        for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
-      }
-    }
-    for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < NR; ++j) e.store(m0 + i, n + j, hsum256(acc[i][j]));
-  }
-};
+using F32Avx2 = Avx2Fma<F32Weights>;
+using Bf16Avx2 = Avx2Fma<Bf16Weights>;
 
 // ---- the shared driver ----
 
