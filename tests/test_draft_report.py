@@ -1,21 +1,17 @@
 """scripts/draft_report.py on fake drafts and runs: the model card states the recipe it reads, the tables
 render, the learning curve counts on top of the init, and a cached validation is reused only while its key holds."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def rep():
-    spec = importlib.util.spec_from_file_location("draft_report", ROOT / "scripts" / "draft_report.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("draft_report")
 
 
 def fake_config(method="poss", ppl=2, steps=6, autocast="bf16", tokens=257868, epoch=None, epochs=1,

@@ -110,15 +110,11 @@ def test_eval_bad_arguments(bad, msg, tmp_path, capsys):
 def test_merge_two_runs_and_a_question_range(tiny_folder, tmp_path):
     """scripts/eval_merge.py: two runs over different sets make one report; ``--questions`` keeps a
     range of positions per set; runs with different settings are refused."""
-    import importlib.util
-    from pathlib import Path
-
+    from helpers.scripts import load_script
     from poss.cli import main
     from poss.data.eval_sets import load_eval_set
 
-    spec = importlib.util.spec_from_file_location("eval_merge", Path(__file__).parents[1] / "scripts" / "eval_merge.py")
-    em = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(em)
+    em = load_script("eval_merge")
     torch.set_num_threads(1)
 
     def run(sets, out, new=6):

@@ -1,18 +1,13 @@
 """scripts/eval_repetition.py: the repeated n-gram share and the per-bucket tau, on hand-made records."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+
+from helpers.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def rep():
-    spec = importlib.util.spec_from_file_location("eval_repetition",
-                                                  Path(__file__).parents[1] / "scripts" / "eval_repetition.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("eval_repetition")
 
 
 def test_repeated_share_counts_ngrams_seen_earlier(rep):

@@ -1,20 +1,16 @@
 """scripts/val_acc_by_length.py: the answer-prefix examples and the records reader, on hand-made records."""
 
-import importlib.util
 import json
 import lzma
-from pathlib import Path
 
 import pytest
+
+from helpers.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("val_acc_by_length",
-                                                  Path(__file__).parents[1] / "scripts" / "val_acc_by_length.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("val_acc_by_length")
 
 
 RECORD = {"key": 1000000000, "split": "val", "prompt_ids": [10, 11, 12], "answer_ids": [20, 21, 22, 23, 24]}

@@ -5,4 +5,5 @@
 - ``loop``: tiny models for the decoding-loop tests (from :mod:`poss.testing`) and HF references.
 - ``targets``: tiny random Llama / Qwen2 / Mistral models for the target-runner and draft tests.
 - ``train_tiny``: a tiny target and synthetic data for the training tests; also a script.
+- ``scripts``: ``load_script(name)``, a ``scripts/*.py`` file as a module.
 """
