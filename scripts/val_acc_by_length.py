@@ -5,43 +5,25 @@
 Scores the held-out split of a `poss distill` records file (the shipped `records.jsonl.xz` is read as
 is) the way training validates (``poss.train.validate.evaluate``: top-1 agreement at draft steps
 1..``--steps``, later steps on the draft's own features), once per answer-prefix length (0: whole
-answers, which is what a draft's config.json reports). Long answers of a small target repeat
+answers, which is what a draft's config.json reports; a prefix is laid out as training lays out an
+answer cut there, ``poss.train.distill.record_example``). Long answers of a small target repeat
 themselves, and repeats are easy to draft, so the whole-answer figure can sit well above what the
 first tokens of an answer, or a short generation, will accept.
 """
 
 import argparse
-import json
-import lzma
 import sys
 from pathlib import Path
 
 import torch
 
 
-def read_records(path: Path):
-    opener = lzma.open if path.suffix == ".xz" else open
-    with opener(path, "rt") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def examples(records, answer_tokens: int):
-    """Prompt + the first ``answer_tokens`` answer tokens (0: all), scored on the answer positions."""
-    from poss.train.data import Example
-
-    out = []
-    for r in records:
-        answer = r["answer_ids"] if answer_tokens <= 0 else r["answer_ids"][:answer_tokens + 1]
-        ids = (r["prompt_ids"] + answer)[:-1]  # as poss.train.distill.load_examples: the last token is a target only
-        mask = [0] * len(r["prompt_ids"]) + [1] * (len(answer) - 1)
-        out.append(Example(torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.int64)))
-    return out
-
-
 def main(argv=None) -> int:
     import poss
     from poss.hardware import resolve_dtype
+    from poss.jsonl import read_jsonl
     from poss.models.draft import PosSDraft
+    from poss.train.distill import record_example
     from poss.train.features import make_features
     from poss.train.objective import Objective
     from poss.train.validate import evaluate
@@ -57,7 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    records = sorted((r for r in read_records(a.records) if r["split"] == "val"), key=lambda r: r["key"])
+    records = sorted((r for r in read_jsonl(a.records) if r["split"] == "val"), key=lambda r: r["key"])
     if not records:
         raise SystemExit(f"--records {a.records}: no held-out ('val') records")
     dtype = resolve_dtype(a.dtype)
@@ -70,7 +52,7 @@ def main(argv=None) -> int:
     for d in a.drafts:
         draft = PosSDraft.load(d, dtype=torch.float32)
         for n in a.answer_tokens:
-            ex = examples(records, n)
+            ex = [record_example(r, answer_tokens=n) for r in records]
             res = evaluate(draft, features, ex, list(range(len(ex))), Objective(steps=a.steps), gen.runner)
             print(f"| {d} | {n or 'all'} | {res['tokens']} | {' / '.join(f'{x:.3f}' for x in res['acc'])} |",
                   flush=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers.loop import hf_greedy, make_generator, tiny_target
-from poss.train.distill import distill, is_english, load_examples, read_records, select_prompts
+from poss.train.distill import distill, is_english, load_examples, read_records, record_example, select_prompts
 from poss.train.features import FeatureCache
 from poss.train.loop import VAL_ID_OFFSET
 
@@ -81,6 +81,19 @@ def test_examples_mask_the_answer(model, tmp_path):
         P, n = len(r["prompt_ids"]), len(r["answer_ids"])
         assert ex.input_ids.tolist() == (r["prompt_ids"] + r["answer_ids"])[:-1]
         assert ex.loss_mask.tolist() == [0] * P + [1] * (n - 1)
+
+
+def test_an_answer_prefix_is_the_example_of_the_cut_answer():
+    rec = {"prompt_ids": [10, 11, 12], "answer_ids": [20, 21, 22, 23, 24]}
+    whole = record_example(rec)
+    assert whole.input_ids.tolist() == [10, 11, 12, 20, 21, 22, 23]
+    assert whole.loss_mask.tolist() == [0, 0, 0, 1, 1, 1, 1]
+    two = record_example(rec, answer_tokens=2)  # as if the answer had been [20, 21, 22]
+    cut = record_example(dict(rec, answer_ids=[20, 21, 22]))
+    assert two.input_ids.tolist() == cut.input_ids.tolist() == [10, 11, 12, 20, 21]
+    assert two.loss_mask.tolist() == cut.loss_mask.tolist() == [0, 0, 0, 1, 1]
+    assert record_example(rec, answer_tokens=50).input_ids.tolist() == whole.input_ids.tolist()
+    assert record_example(rec, max_len=4).input_ids.tolist() == [10, 11, 12, 20]
 
 
 def test_resume_skips_done_keys_and_refuses_another_recipe(model, tmp_path):

@@ -1,18 +1,21 @@
 """Append-only JSONL files that survive a kill: the resumable record of distill, eval and regenerate."""
 
 import json
+import lzma
 from pathlib import Path
 from typing import List
 
 
 def read_jsonl(path) -> List[dict]:
-    """The records of ``path`` (none when it does not exist). A line cut short by a kill is skipped:
-    the work it recorded is redone on resume."""
+    """The records of ``path`` (none when it does not exist; a ``.xz`` file is decompressed, as the
+    data shipped in ``data/`` is). A line cut short by a kill is skipped: the work it recorded is redone
+    on resume."""
     path = Path(path)
     if not path.exists():
         return []
+    text = lzma.decompress(path.read_bytes()).decode() if path.suffix == ".xz" else path.read_text()
     out = []
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError:

@@ -74,17 +74,25 @@ def load_examples(out, split: str, max_len: int = 0) -> List[Example]:
     return load_keyed_examples(out, split, max_len)[1]
 
 
+def record_example(record: dict, max_len: int = 0, answer_tokens: int = 0) -> Example:
+    """A record's prompt + answer as a training example, the answer positions in the loss mask.
+
+    The answer's last token is a target only (generation never ran it through the target, so it has
+    no features). ``answer_tokens > 0`` keeps the first that many answer positions (the example of a
+    record whose answer was cut there); ``max_len > 0`` truncates the example.
+    """
+    answer = record["answer_ids"][:answer_tokens + 1] if answer_tokens > 0 else record["answer_ids"]
+    ids = (record["prompt_ids"] + answer)[:-1]
+    mask = [0] * len(record["prompt_ids"]) + [1] * (len(answer) - 1)
+    if max_len:
+        ids, mask = ids[:max_len], mask[:max_len]
+    return Example(torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.int64))
+
+
 def load_keyed_examples(out, split: str, max_len: int = 0) -> Tuple[List[int], List[Example]]:
     """``(keys, examples)`` of ``split`` in key order: the keys name each example's cached features."""
     recs = sorted((r for r in read_records(Path(out)) if r["split"] == split), key=lambda r: r["key"])
-    examples = []
-    for r in recs:
-        ids = (r["prompt_ids"] + r["answer_ids"])[:-1]
-        mask = [0] * len(r["prompt_ids"]) + [1] * (len(r["answer_ids"]) - 1)
-        if max_len:
-            ids, mask = ids[:max_len], mask[:max_len]
-        examples.append(Example(torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.int64)))
-    return [r["key"] for r in recs], examples
+    return [r["key"] for r in recs], [record_example(r, max_len) for r in recs]
 
 
 def distill(gen, conversations, out, n_train: int, n_val: int = 100, batch_size: int = 32,
