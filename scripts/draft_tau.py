@@ -86,17 +86,13 @@ def main(argv=None) -> int:
 def teacher_forced(draft_dir, runner, prompts, answers, steps):
     """(acc@1..steps on prompt + answer pairs, the held-out acc@k in the draft's config.json)."""
     from poss.models.draft import PosSDraft
-    from poss.train.data import Example
+    from poss.train.distill import record_example
     from poss.train.features import make_features
     from poss.train.objective import Objective
     from poss.train.validate import evaluate
 
-    examples = []
-    for p, w in zip(prompts, answers):
-        ids = torch.tensor(list(p) + list(w))
-        mask = torch.zeros_like(ids)
-        mask[len(p):] = 1  # score the answer positions only, as training does
-        examples.append(Example(ids, mask))
+    # Laid out as the training data: the answer positions in the loss, its last token a target only.
+    examples = [record_example({"prompt_ids": list(p), "answer_ids": list(w)}) for p, w in zip(prompts, answers)]
     draft = PosSDraft.load(draft_dir, dtype=torch.float32, device=runner.device)
     here = evaluate(draft, make_features(runner), examples, list(range(len(examples))), Objective(steps=steps),
                     runner)["acc"]
