@@ -89,10 +89,11 @@ def test_rows_are_independent(M, N, K, seed, residual, dtype):
 
 @needs_ours
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_thread_count_does_not_change_results(dtype):
+@pytest.mark.parametrize("rows", [1, 9])  # one row: a decode step, split over threads too
+def test_thread_count_does_not_change_results(dtype, rows):
     if not OURS[dtype]:
         pytest.skip(f"no row-invariant kernel for {dtype} on this CPU")
-    x, w, b, r = inputs(9, 1000, 576, dtype, 3, bias=True, residual=True)
+    x, w, b, r = inputs(rows, 1000, 576, dtype, 3, bias=True, residual=True)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -275,8 +275,11 @@ at::Tensor linear_kernel(const at::Tensor& x, const at::Tensor& weight, const st
   const XT* xp = x2.const_data_ptr<XT>();
   const T* wp = w.const_data_ptr<T>();
   const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
-  // Threads only pay beyond ~0.1 M multiply-adds per block; the split never changes a result.
-  const int64_t grain = M * K * kRowBlock >= (1 << 17) ? 1 : blocks;
+  // Threads pay once a call does ~0.1 M multiply-adds (a 576 x 576 bf16 weight at one row: ~40 us of
+  // streaming). A decode step is all one-row calls, and one core does not reach the memory's
+  // bandwidth: at M = 1 on 2 threads the weights stream 1.5x faster than on one (AVX2 EPYC,
+  // scripts/step_breakdown.py). The split never changes a result.
+  const int64_t grain = M * K * N >= (1 << 17) ? 1 : blocks;
   // The first pass of x rows over a block streams it from memory while the FMA units wait; the
   // later passes find it in L2 while memory waits. With kPrefetchNextBlock the later passes fetch
   // the thread's next block (the same rows, one block on: one line per k step for NR = 2), so a

@@ -60,31 +60,92 @@ void weighted_sum(const float* p, int64_t L, const float* v, float* o) {
   for (int k = 0; k < DV; ++k) acc[k].store(o + k * W);
 }
 
-// Scores of `rows` query rows (stride D) against the kn <= W keys of kt [D, W], into out (row
-// stride ld); four rows share each load of the tile (the per-lane arithmetic is the one-row loop's).
-void scores8(const float* qs, int64_t rows, int64_t D, const float* kt, int64_t kn, float* out, int64_t ld) {
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) {
-    const float* q = qs + r * D;
-    Vec a0(0.0f), a1(0.0f), a2(0.0f), a3(0.0f);
-    for (int64_t d = 0; d < D; ++d) {
-      const Vec kv = Vec::loadu(kt + d * W);
-      a0 = at::vec::fmadd(Vec(q[d]), kv, a0);
-      a1 = at::vec::fmadd(Vec(q[D + d]), kv, a1);
-      a2 = at::vec::fmadd(Vec(q[2 * D + d]), kv, a2);
-      a3 = at::vec::fmadd(Vec(q[3 * D + d]), kv, a3);
+// Scores of `rows` query rows (stride D) against the L keys of kt, which holds them in tiles of W
+// keys transposed to [D, W] (kt: [ceil(L / W), D, W], zero past L), into out (row stride ld). A
+// block of R rows x T tiles keeps R x T independent accumulators, so the fused multiply-adds of one
+// lane, which depend on each other, overlap with the other lanes' (one row against one tile alone
+// waits on the FMA latency at every d); a lane's arithmetic is still one fmadd per d, in order.
+template <int R, int T>
+void scores_block(const float* qs, int64_t D, const float* kt, int64_t t0, int64_t L, float* out, int64_t ld) {
+  Vec acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = Vec(0.0f);
+  const float* base = kt + t0 * D * W;
+  for (int64_t d = 0; d < D; ++d) {
+    Vec kv[T];
+    for (int t = 0; t < T; ++t) kv[t] = Vec::loadu(base + (t * D + d) * W);
+    for (int r = 0; r < R; ++r) {
+      const Vec qv(qs[r * D + d]);
+      for (int t = 0; t < T; ++t) acc[r][t] = at::vec::fmadd(qv, kv[t], acc[r][t]);
     }
-    float* o = out + r * ld;
-    a0.store(o, static_cast<int>(kn));
-    a1.store(o + ld, static_cast<int>(kn));
-    a2.store(o + 2 * ld, static_cast<int>(kn));
-    a3.store(o + 3 * ld, static_cast<int>(kn));
   }
-  for (; r < rows; ++r) {
-    const float* q = qs + r * D;
-    Vec acc(0.0f);
-    for (int64_t d = 0; d < D; ++d) acc = at::vec::fmadd(Vec(q[d]), Vec::loadu(kt + d * W), acc);
-    acc.store(out + r * ld, static_cast<int>(kn));
+  for (int t = 0; t < T; ++t) {
+    const int64_t s0 = (t0 + t) * W, kn = std::min(W, L - s0);
+    for (int r = 0; r < R; ++r) acc[r][t].store(out + r * ld + s0, static_cast<int>(kn));
+  }
+}
+
+// Rows of R against every tile, T tiles at a time, then the last tiles one by one.
+template <int R, int T>
+void scores_rows(const float* qs, int64_t D, const float* kt, int64_t L, float* out, int64_t ld) {
+  const int64_t tiles = (L + W - 1) / W;
+  int64_t t = 0;
+  for (; t + T <= tiles; t += T) scores_block<R, T>(qs, D, kt, t, L, out, ld);
+  for (; t < tiles; ++t) scores_block<R, 1>(qs, D, kt, t, L, out, ld);
+}
+
+void scores8(const float* qs, int64_t rows, int64_t D, const float* kt, int64_t L, float* out, int64_t ld) {
+  int64_t r = 0;
+  for (; r + 3 <= rows; r += 3) scores_rows<3, 4>(qs + r * D, D, kt, L, out + r * ld, ld);
+  for (; r < rows; ++r) scores_rows<1, 4>(qs + r * D, D, kt, L, out + r * ld, ld);
+}
+
+#ifdef __AVX2__
+// dst[i * ld + c] = src[c * sd + i] for an 8 x 8 block of fp32 (rows of src become columns).
+inline void transpose8x8(const float* src, int64_t sd, float* dst, int64_t ld) {
+  __m256 r[8], t[8];
+  for (int c = 0; c < 8; ++c) r[c] = _mm256_loadu_ps(src + c * sd);
+  for (int c = 0; c < 8; c += 2) {
+    t[c] = _mm256_unpacklo_ps(r[c], r[c + 1]);
+    t[c + 1] = _mm256_unpackhi_ps(r[c], r[c + 1]);
+  }
+  for (int c = 0; c < 8; c += 4) {
+    r[c] = _mm256_shuffle_ps(t[c], t[c + 2], 0x44);
+    r[c + 1] = _mm256_shuffle_ps(t[c], t[c + 2], 0xEE);
+    r[c + 2] = _mm256_shuffle_ps(t[c + 1], t[c + 3], 0x44);
+    r[c + 3] = _mm256_shuffle_ps(t[c + 1], t[c + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    _mm256_storeu_ps(dst + c * ld, _mm256_permute2f128_ps(r[c], r[c + 4], 0x20));
+    _mm256_storeu_ps(dst + (c + 4) * ld, _mm256_permute2f128_ps(r[c], r[c + 4], 0x31));
+  }
+}
+#endif
+
+// kt[t, d, c] = key t * width + c's element d as fp32, for the L keys at kb (row stride ks) and 0 past
+// them: the keys of a tile become the lanes of a score vector. Eight keys at a time are widened
+// into `rows` and turned with 8 x 8 block transposes (one key at a time, the strided scalar stores
+// cost more than the scores).
+template <typename scalar_t>
+void transpose_keys(const scalar_t* kb, int64_t ks, int64_t L, int64_t D, int64_t width, float* kt,
+                    std::vector<float>& rows) {
+  rows.resize(8 * D);
+  const int64_t tiles = (L + width - 1) / width;
+  std::fill(kt + (tiles - 1) * D * width, kt + tiles * D * width, 0.0f);
+  int64_t j = 0;
+#ifdef __AVX2__
+  if (D % 8 == 0) {
+    for (; j + 8 <= L && (j % width) + 8 <= width; j += 8) {
+      for (int c = 0; c < 8; ++c) at::vec::convert(kb + (j + c) * ks, rows.data() + c * D, D);
+      float* dst = kt + (j / width) * D * width + j % width;
+      for (int64_t d = 0; d < D; d += 8) transpose8x8(rows.data() + d, D, dst + d * width, width);
+    }
+  }
+#endif
+  for (; j < L; ++j) {
+    at::vec::convert(kb + j * ks, rows.data(), D);
+    float* dst = kt + (j / width) * D * width + j % width;
+    for (int64_t d = 0; d < D; ++d) dst[d * width] = rows[d];
   }
 }
 
@@ -174,7 +235,7 @@ struct ExactKernel {
   float scale;
 
   struct Scratch {
-    std::vector<float> qs, kt, scores, v32, acc, inv_l;
+    std::vector<float> qs, kt, rows8, scores, v32, acc, inv_l;
   };
 
   void run(const Unit& u, Scratch& sc) const {
@@ -195,25 +256,19 @@ struct ExactKernel {
     const scalar_t* kb = k + rq.b * ks0 + u.h * ks1;
     const scalar_t* vb = v + rq.b * vs0 + u.h * vs1;
 
-    // Scores, a tile of keys at a time: the tile transposed to [D, width] so that a lane is a key.
+    // Scores against all L keys, transposed once per unit so that a lane is a key.
     const int64_t width = has_avx512f() ? W16 : W;
-    sc.kt.resize(D * width);
+    const int64_t tiles = (L + width - 1) / width;
+    sc.kt.resize(tiles * D * width);
     float* kt = sc.kt.data();
-    for (int64_t s0 = 0; s0 < L; s0 += width) {
-      const int64_t kn = std::min(width, L - s0);
-      std::fill(kt, kt + D * width, 0.0f);
-      for (int64_t c = 0; c < kn; ++c) {
-        const scalar_t* row = kb + (s0 + c) * ks2;
-        for (int64_t d = 0; d < D; ++d) kt[d * width + c] = static_cast<float>(row[d]);
-      }
+    transpose_keys(kb, ks2, L, D, width, kt, sc.rows8);
 #ifdef POSS_EXACT_AVX512
-      if (width == W16) {
-        scores16(sc.qs.data(), rows, D, kt, kn, sc.scores.data() + s0, Lp);
-        continue;
-      }
-#endif
-      scores8(sc.qs.data(), rows, D, kt, kn, sc.scores.data() + s0, Lp);
+    if (width == W16) {
+      for (int64_t t = 0; t < tiles; ++t)
+        scores16(sc.qs.data(), rows, D, kt + t * D * W16, std::min(W16, L - t * W16), sc.scores.data() + t * W16, Lp);
     }
+#endif
+    if (width == W) scores8(sc.qs.data(), rows, D, kt, L, sc.scores.data(), Lp);
 
     // Mask, max, exp and the sum of each row.
     sc.inv_l.resize(rows);
