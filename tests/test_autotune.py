@@ -2,6 +2,8 @@
 acceptance profiles (deterministic), and a lossless generate with the tree it picks on a tiny model."""
 
 import json
+import os
+import time
 
 import pytest
 import torch
@@ -188,6 +190,7 @@ def test_a_busy_machine_warns_and_the_load_is_recorded(target, tmp_path, monkeyp
     monkeypatch.setattr(autotune, "measure", _fake_measure([]))
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     monkeypatch.setattr(os, "getloadavg", lambda: (3.5, 2.0, 1.0))
+    monkeypatch.setattr(autotune, "own_load", lambda: 0.0)
     with pytest.warns(RuntimeWarning, match=r"busy \(load average 3.5 on 2 cores\).*--retune"):
         c = autotune.calibrate(gen, prompts=PROMPTS[:1])
     assert c.key["loadavg"] == 3.5
@@ -196,3 +199,17 @@ def test_a_busy_machine_warns_and_the_load_is_recorded(target, tmp_path, monkeyp
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert autotune.calibrate(gen, prompts=PROMPTS[:1], refresh=True).key["loadavg"] == 1.9
+        # the load of this process's own threads (a benchmark's earlier rows) is not someone else's
+        monkeypatch.setattr(os, "getloadavg", lambda: (2.4, 2.0, 1.0))
+        monkeypatch.setattr(autotune, "own_load", lambda: 1.9)
+        assert autotune.calibrate(gen, prompts=PROMPTS[:1], refresh=True).key["loadavg"] == 2.4
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
+def test_own_load_counts_this_process_cpu_time():
+    before = autotune.own_load()
+    t = time.process_time()
+    while time.process_time() - t < 0.3:  # keep one core busy
+        pass
+    after = autotune.own_load()
+    assert 0.0 < before < after <= (os.cpu_count() or 1) + 0.1

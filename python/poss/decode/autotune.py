@@ -211,10 +211,29 @@ def load_average() -> Optional[float]:
         return None
 
 
+def own_load() -> float:
+    """About how much of the 1-minute load average is this process's own threads: its CPU seconds over
+    its age, the age counted as at least a minute (the average's time constant). 0 where the OS does
+    not say (no /proc)."""
+    try:
+        import resource
+
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        age = uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (ImportError, OSError, ValueError, IndexError):
+        return 0.0
+    return (usage.ru_utime + usage.ru_stime) / max(age, 60.0)
+
+
 def warn_if_busy(what: str) -> Optional[float]:
-    """Warn when every core was already busy on average before a timing starts; returns the load."""
+    """Warn when other work kept every core busy on average before a timing starts (this process's own
+    threads, e.g. a benchmark's earlier rows, do not count); returns the load average."""
     load, cores = load_average(), os.cpu_count() or 1
-    if load is not None and load >= cores:
+    if load is not None and load - own_load() >= cores:
         warnings.warn(f"{what}: the machine is busy (load average {load:.1f} on {cores} cores), so the timings "
                       "and the choice made from them may be off; they are cached: rerun with --retune "
                       "(poss.load(..., retune=True)) when the machine is quiet", RuntimeWarning, stacklevel=3)
