@@ -3,6 +3,8 @@
 Verify case: prefix 2048, a random tree of N = 60 nodes, every node queries (Nq = N). Baselines over
 the same keys (prefix + tree slots): SDPA with the dense [Nq, S] tree mask, and unmasked SDPA (a lower
 bound: same FLOPs, no mask). Prefill case: a chain of 512 nodes (causal) vs SDPA is_causal=True.
+Decode case: one query behind a prefix of 200 or 2000 keys (the row-exact path of every decode step)
+vs unmasked SDPA over the same keys.
 Compare within one benchmark group (same shapes, dtype, threads). The single-thread groups are the
 steadier ones on a shared machine: with every core in use, a multi-threaded call waits for a
 descheduled worker and the wall time measures the neighbours.
@@ -82,3 +84,21 @@ def test_chain_prefill_attention(benchmark, threads, dtype, impl):
     }
     benchmark.group = f"chain prefill N={N} Hq={Hq} Hkv={Hkv} D={D} {dtype} threads={threads}"
     benchmark.pedantic(fns[impl], rounds=10, warmup_rounds=1)
+
+
+@pytest.mark.parametrize("impl", ["poss", "sdpa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("prefix", [200, 2000])
+def test_decode_step_attention(benchmark, threads, prefix, dtype, impl):
+    Hq, Hkv, D = SHAPES[0]
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, Hq, 1, D, generator=gen).to(dtype)
+    k = torch.randn(1, Hkv, prefix + 1, D, generator=gen).to(dtype)
+    v = torch.randn(1, Hkv, prefix + 1, D, generator=gen).to(dtype)
+    parents, prefix_len = torch.full((1, 1), -1, dtype=torch.int32), torch.tensor([prefix], dtype=torch.int32)
+    fns = {
+        "poss": lambda: torch.ops.poss.tree_attention(q, k, v, prefix_len, parents, D**-0.5),
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, scale=D**-0.5, enable_gqa=True),
+    }
+    benchmark.group = f"decode step prefix={prefix} Hq={Hq} Hkv={Hkv} D={D} {dtype} threads={threads}"
+    benchmark.pedantic(fns[impl], rounds=200, warmup_rounds=10)
