@@ -64,9 +64,10 @@ def reference_candidates(draft, ids, feats, L, depth, K):
     return cand_tok, cand_score, cand_parent
 
 
-@pytest.mark.parametrize("n,ppl", [(4, 1), (2, 2), (1, 1)])
-def test_draft_tree_matches_a_from_scratch_drafter(n, ppl):
-    depth, K, nodes = 4, 3, 20
+@pytest.mark.parametrize("n,ppl,depth,K,nodes", [(4, 1, 4, 3, 20), (2, 2, 4, 3, 20), (1, 1, 4, 3, 20),
+                                                (2, 2, 3, 10, 4), (4, 1, 2, 10, 6)])
+def test_draft_tree_matches_a_from_scratch_drafter(n, ppl, depth, K, nodes):
+    # the last two: a beam wider than the tree (the loop drafts num_nodes - 1 wide, the reference K)
     gen = make_generator(tiny_target(seed=8), draft=True, n=n, ppl=ppl, aligned=True)
     gen.end_ids = set()
     reqs = gen._requests(eval_prompts(1)[2:3], 40, [SamplingParams()])

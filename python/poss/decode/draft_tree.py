@@ -16,7 +16,8 @@ Later positions of the same specialist query only the newest level (``Nq = K``).
 
 Candidates follow EAGLE-2 with beam width K: the root's top-K, then per level the top-K children of
 each of the K frontier nodes scored by cumulative log-prob; the global top-K of those K*K become the
-next frontier. ``poss::build_tree`` keeps the best ``num_nodes - 1`` candidates.
+next frontier. ``poss::build_tree`` keeps the best ``num_nodes - 1`` candidates, so K is at most
+``num_nodes - 1`` (a wider beam would give the same tree).
 
 Every specialist step here skips the draft's own capacity check (a host sync): the generator sized
 the caches for the whole call.
@@ -75,7 +76,11 @@ def draft_tree(draft, batch: BatchState, depth: int, beam_width: int, num_nodes:
 
     Catches every used specialist up to the target's committed length (``batch.draft_len``).
     """
-    B, K, dev = batch.size, beam_width, batch.ids.device
+    # A beam wider than the tree it feeds changes nothing but the cost: build_tree keeps the best
+    # num_nodes - 1 candidates, closed under ancestors, so every node it keeps is among the best
+    # num_nodes - 1 of its level and of its siblings, and a beam of that width still proposes it
+    # (the same tree, up to the order of exactly tied scores). Small trees draft a narrow beam.
+    B, K, dev = batch.size, max(1, min(beam_width, num_nodes - 1)), batch.ids.device
     H = batch.feats.shape[-1]
     # -- the newly verified pairs (x_{t+1}, f_t), t in [draft_len, L), as a padded chain
     T = max(L - d for L, d in zip(batch.length, batch.draft_len))
