@@ -94,6 +94,8 @@ void scores_rows(const float* qs, int64_t D, const float* kt, int64_t L, float* 
   for (; t < tiles; ++t) scores_block<R, 1>(qs, D, kt, t, L, out, ld);
 }
 
+// Every row against every tile: rows in threes (3 x 4 accumulators, 4 key vectors and a query
+// broadcast fit the 16 AVX2 registers), the last one or two alone.
 void scores8(const float* qs, int64_t rows, int64_t D, const float* kt, int64_t L, float* out, int64_t ld) {
   int64_t r = 0;
   for (; r + 3 <= rows; r += 3) scores_rows<3, 4>(qs + r * D, D, kt, L, out + r * ld, ld);
@@ -124,8 +126,8 @@ inline void transpose8x8(const float* src, int64_t sd, float* dst, int64_t ld) {
 
 // kt[t, d, c] = key t * width + c's element d as fp32, for the L keys at kb (row stride ks) and 0 past
 // them: the keys of a tile become the lanes of a score vector. Eight keys at a time are widened
-// into `rows` and turned with 8 x 8 block transposes (one key at a time, the strided scalar stores
-// cost more than the scores).
+// into `rows` and turned with 8 x 8 block transposes (key by key, the strided scalar stores had
+// cost more than the scores themselves).
 template <typename scalar_t>
 void transpose_keys(const scalar_t* kb, int64_t ks, int64_t L, int64_t D, int64_t width, float* kt,
                     std::vector<float>& rows) {
