@@ -126,28 +126,28 @@ inline void transpose8x8(const float* src, int64_t sd, float* dst, int64_t ld) {
 
 // kt[t, d, c] = key t * width + c's element d as fp32, for the L keys at kb (row stride ks) and 0 past
 // them: the keys of a tile become the lanes of a score vector. Eight keys at a time are widened
-// into `rows` and turned with 8 x 8 block transposes (key by key, the strided scalar stores had
+// into `widened` and turned with 8 x 8 block transposes (key by key, the strided scalar stores had
 // cost more than the scores themselves).
 template <typename scalar_t>
 void transpose_keys(const scalar_t* kb, int64_t ks, int64_t L, int64_t D, int64_t width, float* kt,
-                    std::vector<float>& rows) {
-  rows.resize(8 * D);
+                    std::vector<float>& widened) {
+  widened.resize(8 * D);
   const int64_t tiles = (L + width - 1) / width;
   std::fill(kt + (tiles - 1) * D * width, kt + tiles * D * width, 0.0f);
   int64_t j = 0;
 #ifdef __AVX2__
   if (D % 8 == 0) {
     for (; j + 8 <= L && (j % width) + 8 <= width; j += 8) {
-      for (int c = 0; c < 8; ++c) at::vec::convert(kb + (j + c) * ks, rows.data() + c * D, D);
+      for (int c = 0; c < 8; ++c) at::vec::convert(kb + (j + c) * ks, widened.data() + c * D, D);
       float* dst = kt + (j / width) * D * width + j % width;
-      for (int64_t d = 0; d < D; d += 8) transpose8x8(rows.data() + d, D, dst + d * width, width);
+      for (int64_t d = 0; d < D; d += 8) transpose8x8(widened.data() + d, D, dst + d * width, width);
     }
   }
 #endif
   for (; j < L; ++j) {
-    at::vec::convert(kb + j * ks, rows.data(), D);
+    at::vec::convert(kb + j * ks, widened.data(), D);
     float* dst = kt + (j / width) * D * width + j % width;
-    for (int64_t d = 0; d < D; ++d) dst[d * width] = rows[d];
+    for (int64_t d = 0; d < D; ++d) dst[d * width] = widened[d];
   }
 }
 
@@ -237,7 +237,7 @@ struct ExactKernel {
   float scale;
 
   struct Scratch {
-    std::vector<float> qs, kt, rows8, scores, v32, acc, inv_l;
+    std::vector<float> qs, kt, widened, scores, v32, acc, inv_l;
   };
 
   void run(const Unit& u, Scratch& sc) const {
@@ -263,7 +263,7 @@ struct ExactKernel {
     const int64_t tiles = (L + width - 1) / width;
     sc.kt.resize(tiles * D * width);
     float* kt = sc.kt.data();
-    transpose_keys(kb, ks2, L, D, width, kt, sc.rows8);
+    transpose_keys(kb, ks2, L, D, width, kt, sc.widened);
 #ifdef POSS_EXACT_AVX512
     if (width == W16) {
       for (int64_t t = 0; t < tiles; ++t)
