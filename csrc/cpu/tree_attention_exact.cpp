@@ -5,13 +5,14 @@
 // plain decode step sees them as prefix keys. The tiled kernel (tree_attention.cpp) groups keys
 // into GEMM tiles and merges online-softmax states per tile, so the two see different rounding, and
 // a bf16 greedy path can part from plain decoding at a near-tie. Here every query row follows one
-// fixed sequence over its visible keys in slot order (the prefix, then its ancestors, which is the
-// order plain decoding stores the same tokens in):
-//   score_j = sum over d, in order, of fmadd(q_d * scale, k_jd)   (keys across SIMD lanes, never d)
-//   m = max_j score_j;  p_j = exp(score_j - m)   (one vector exp routine for every key)
-//   l = sum over j, in order, of p_j;  o = sum over j, in order, of p_j * v_j;  out = o / l
-// Keys a row cannot see get p = 0 and are skipped, which adds exactly nothing. The tiled kernel
-// still serves prefills (prefix 0), where both decoding modes run the same call. The score and P.V
+// fixed sequence over its visible keys, taken in the order plain decoding stores the same tokens in
+// (the prefix, then its ancestors and itself) and numbered c = 0, 1, ... in that order:
+//   score_c = sum over d, in order, of fmadd(q_d * scale, k_cd)   (keys across SIMD lanes, never d)
+//   m = max_c score_c;  p_c = exp(score_c - m)   (one vector exp routine for every key)
+//   l = sum over lanes, in order, of (sum over c = lane mod 8, in order, of p_c)
+//   o = sum over c, in order, of fmadd(p_c, v_c);  out = o / l
+// Keys a row cannot see are left out by position, never by value. The tiled kernel
+// still serves prefills (prefix 0), where both decoding modes run the same call. The score
 // loops run 16 lanes wide on CPUs with AVX512F, else 8 (at::vec, AVX2): the same bits either way.
 #include "tree_attention_exact.h"
 
@@ -20,6 +21,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 
 #include "poss/tree_attention.h"
@@ -43,22 +45,6 @@ struct Unit {
   int64_t h;       // kv head
   int32_t i0, i1;  // query nodes
 };
-
-// o[0:D] = sum over j < L, in order, of p[j] * v[j, 0:D] (p[j] = 0 skipped: it adds nothing), each
-// lane one fmadd per key. The accumulators stay in registers; weighted_sum_any is the same
-// arithmetic for any D, through memory.
-template <int DV>
-void weighted_sum(const float* p, int64_t L, const float* v, float* o) {
-  Vec acc[DV];
-  for (int k = 0; k < DV; ++k) acc[k] = Vec(0.0f);
-  for (int64_t j = 0; j < L; ++j) {
-    if (p[j] == 0.0f) continue;
-    const Vec pv(p[j]);
-    const float* vj = v + j * DV * W;
-    for (int k = 0; k < DV; ++k) acc[k] = at::vec::fmadd(pv, Vec::loadu(vj + k * W), acc[k]);
-  }
-  for (int k = 0; k < DV; ++k) acc[k].store(o + k * W);
-}
 
 // Scores of `rows` query rows (stride D) against the L keys of kt, which holds them in tiles of W
 // keys transposed to [D, W] (kt: [ceil(L / W), D, W], zero past L), into out (row stride ld). A
@@ -151,22 +137,71 @@ void transpose_keys(const scalar_t* kb, int64_t ks, int64_t L, int64_t D, int64_
   }
 }
 
-void weighted_sum_any(const float* p, int64_t L, const float* v, int64_t D, float* o) {
-  std::fill(o, o + D, 0.0f);
-  for (int64_t j = 0; j < L; ++j) {
-    if (p[j] == 0.0f) continue;
-    const Vec pv(p[j]);
-    const float* vj = v + j * D;
-    int64_t d = 0;
-    for (; d + W <= D; d += W) at::vec::fmadd(pv, Vec::loadu(vj + d), Vec::loadu(o + d)).store(o + d);
-    for (; d < D; ++d) o[d] = std::fma(p[j], vj[d], o[d]);
+// o_r[d0 : d0 + V * W] += sum over keys j < n, in order, of fmadd(p_r[j], v[j, d0 : d0 + V * W]) for R
+// rows at once (v: row stride D). R x V accumulators: each output lane is a chain of dependent
+// fused multiply-adds, one per key, and one row alone (8 chains for D = 64) waits on their latency;
+// 3 rows x 4 vectors overlap 12 chains while sharing each v load. A lane's arithmetic is one fmadd
+// per key in order, whichever block its row falls in.
+template <int R, int V>
+void pv_block(const float* const* p, int64_t n, const float* v, int64_t D, int64_t d0, float* const* o) {
+  Vec acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < V; ++k) acc[r][k] = Vec::loadu(o[r] + d0 + k * W);
+  for (int64_t j = 0; j < n; ++j) {
+    Vec pr[R];
+    for (int r = 0; r < R; ++r) pr[r] = Vec(p[r][j]);
+    const float* vj = v + j * D + d0;
+    for (int k = 0; k < V; ++k) {
+      const Vec vv = Vec::loadu(vj + k * W);
+      for (int r = 0; r < R; ++r) acc[r][k] = at::vec::fmadd(pr[r], vv, acc[r][k]);
+    }
   }
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < V; ++k) acc[r][k].store(o[r] + d0 + k * W);
+}
+
+// pv_block over all of D: four vectors at a time, then one, then the lanes past the last vector.
+template <int R>
+void pv_rows(const float* const* p, int64_t n, const float* v, int64_t D, float* const* o) {
+  int64_t d0 = 0;
+  for (; d0 + 4 * W <= D; d0 += 4 * W) pv_block<R, 4>(p, n, v, D, d0, o);
+  for (; d0 + W <= D; d0 += W) pv_block<R, 1>(p, n, v, D, d0, o);
+  for (; d0 < D; ++d0)
+    for (int r = 0; r < R; ++r)
+      for (int64_t j = 0; j < n; ++j) o[r][d0] = std::fma(p[r][j], v[j * D + d0], o[r][d0]);
+}
+
+// The sum of p[0:n] in W lane-wise partial sums (lane c mod W, each in order of c), then over the
+// lanes in order: the same bits for the same n values, whatever row or call they belong to.
+float lane_sum(const float* p, int64_t n) {
+  Vec acc(0.0f);
+  int64_t j = 0;
+  for (; j + W <= n; j += W) acc = acc + Vec::loadu(p + j);
+  if (j < n) acc = acc + Vec::loadu(p + j, static_cast<int>(n - j));  // the missing lanes add +0
+  alignas(64) float lanes[W];
+  acc.store(lanes);
+  float l = 0.0f;
+  for (int64_t c = 0; c < W; ++c) l += lanes[c];
+  return l;
+}
+
+// The largest of s[0:n] (exact in any order).
+float row_max(const float* s, int64_t n) {
+  Vec mv(kNegInf);
+  int64_t j = 0;
+  for (; j + W <= n; j += W) mv = at::vec::maximum(mv, Vec::loadu(s + j));
+  alignas(64) float lanes[W];
+  mv.store(lanes);
+  float m = kNegInf;
+  for (int64_t c = 0; c < W; ++c) m = std::max(m, lanes[c]);
+  for (; j < n; ++j) m = std::max(m, s[j]);
+  return m;
 }
 
 #ifdef POSS_EXACT_AVX512
-// The same two loops with 16-lane vectors, on CPUs with AVX512F. A lane's arithmetic is the 8-lane
-// loops' (one fused multiply-add per d for a score, per key for an output element, in the same
-// order), so both give the same bits and the choice is only a matter of speed.
+// The score loop with 16-lane vectors, on CPUs with AVX512F. A lane's arithmetic is the 8-lane
+// loop's (one fused multiply-add per d, in the same order), so both give the same bits and the
+// choice is only a matter of speed.
 
 // Scores of `rows` query rows (stride D) against the kn <= 16 keys of kt [D, 16].
 POSS_AVX512F void scores16(const float* qs, int64_t rows, int64_t D, const float* kt, int64_t kn, float* out,
@@ -197,24 +232,6 @@ POSS_AVX512F void scores16(const float* qs, int64_t rows, int64_t D, const float
   }
 }
 
-// weighted_sum for D = 64: four 16-lane accumulators.
-POSS_AVX512F void weighted_sum64(const float* p, int64_t L, const float* v, float* o) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-  for (int64_t j = 0; j < L; ++j) {
-    if (p[j] == 0.0f) continue;
-    const __m512 pv = _mm512_set1_ps(p[j]);
-    const float* vj = v + j * 64;
-    a0 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vj), a0);
-    a1 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vj + 16), a1);
-    a2 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vj + 32), a2);
-    a3 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vj + 48), a3);
-  }
-  _mm512_storeu_ps(o, a0);
-  _mm512_storeu_ps(o + 16, a1);
-  _mm512_storeu_ps(o + 32, a2);
-  _mm512_storeu_ps(o + 48, a3);
-}
-
 bool has_avx512f() {
   static const bool yes = [] {
     __builtin_cpu_init();
@@ -238,6 +255,8 @@ struct ExactKernel {
 
   struct Scratch {
     std::vector<float> qs, kt, widened, scores, v32, acc, inv_l;
+    std::vector<int64_t> n_keys;      // visible keys per row
+    std::vector<int32_t> tree_slot;  // per row: the tree slot of each visible tree key, in order
   };
 
   void run(const Unit& u, Scratch& sc) const {
@@ -272,46 +291,68 @@ struct ExactKernel {
 #endif
     if (width == W) scores8(sc.qs.data(), rows, D, kt, L, sc.scores.data(), Lp);
 
-    // Mask, max, exp and the sum of each row.
+    // Each row's visible keys in the order decoding holds them: the prefix, then its visible tree
+    // slots in order, whose scores move up to follow the prefix (to c <= j: in place, front to
+    // back). Then max, exp and sum over those n keys alone.
+    const int64_t P = rq.prefix;
     sc.inv_l.resize(rows);
+    sc.n_keys.resize(rows);
+    sc.tree_slot.resize(rows * u.i1);
     float* inv_l = sc.inv_l.data();
     for (int64_t r = 0; r < rows; ++r) {
       const int32_t i = static_cast<int32_t>(u.i0 + r % nodes);
       float* s = sc.scores.data() + r * Lp;
       const uint64_t* mrow = rq.chain ? nullptr : rq.masks + int64_t{i} * kAttnMaskWords;
-      for (int64_t j = 0; j < u.i1; ++j) {
-        if (!tree_key_visible(rq.chain, mrow, i, static_cast<int32_t>(j))) s[rq.prefix + j] = kNegInf;
+      int32_t* slot = sc.tree_slot.data() + r * u.i1;
+      int64_t c = 0;
+      for (int32_t j = 0; j < u.i1; ++j) {
+        if (tree_key_visible(rq.chain, mrow, i, j)) {
+          s[P + c] = s[P + j];
+          slot[c++] = j;
+        }
       }
-      float m = kNegInf;
-      for (int64_t j = 0; j < L; ++j) m = std::max(m, s[j]);
-      const Vec vm(m);
-      for (int64_t j = 0; j < L; j += W) {
-        const int cnt = static_cast<int>(std::min(W, L - j));
+      const int64_t n = P + c;
+      sc.n_keys[r] = n;
+      const Vec vm(row_max(s, n));
+      for (int64_t j = 0; j < n; j += W) {
+        const int cnt = static_cast<int>(std::min(W, n - j));
         (Vec::loadu(s + j, cnt) - vm).exp_u20().store(s + j, cnt);
       }
-      float l = 0.0f;
-      for (int64_t j = 0; j < L; ++j) l += s[j];
-      inv_l[r] = 1.0f / l;
+      inv_l[r] = 1.0f / lane_sum(s, n);
     }
 
-    // o = sum_j p_j v_j, key by key in slot order, from V converted to fp32 once for all rows.
+    // o = sum over c of p_c v_c, from V converted to fp32 once for all rows: the prefix keys, which
+    // every row sees, three rows at a time; then each row's own tree keys.
     sc.v32.resize(L * D);
     float* v32 = sc.v32.data();
     for (int64_t j = 0; j < L; ++j) at::vec::convert(vb + j * vs2, v32 + j * D, D);
+    sc.acc.assign(rows * D, 0.0f);
     float* acc = sc.acc.data();
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* p = sc.scores.data() + r * Lp;
-      if (D == 64 && has_avx512f()) {
-#ifdef POSS_EXACT_AVX512
-        weighted_sum64(p, L, v32, acc + r * D);
-#endif
-      } else if (D == 8 * W) {
-        weighted_sum<8>(p, L, v32, acc + r * D);
-      } else {
-        weighted_sum_any(p, L, v32, D, acc + r * D);
+    const auto p_row = [&](int64_t r) { return static_cast<const float*>(sc.scores.data() + r * Lp); };
+    int64_t r = 0;
+    for (; r + 3 <= rows; r += 3) {
+      const float* p[3] = {p_row(r), p_row(r + 1), p_row(r + 2)};
+      float* o[3] = {acc + r * D, acc + (r + 1) * D, acc + (r + 2) * D};
+      pv_rows<3>(p, P, v32, D, o);
+    }
+    for (; r < rows; ++r) {
+      const float* p[1] = {p_row(r)};
+      float* o[1] = {acc + r * D};
+      pv_rows<1>(p, P, v32, D, o);
+    }
+    for (r = 0; r < rows; ++r) {
+      const float* p = p_row(r) + P;
+      const int32_t* slot = sc.tree_slot.data() + r * u.i1;
+      float* o = acc + r * D;
+      for (int64_t c = 0; c < sc.n_keys[r] - P; ++c) {
+        const Vec pv(p[c]);
+        const float* vj = v32 + (P + slot[c]) * D;
+        int64_t d = 0;
+        for (; d + W <= D; d += W) at::vec::fmadd(pv, Vec::loadu(vj + d), Vec::loadu(o + d)).store(o + d);
+        for (; d < D; ++d) o[d] = std::fma(p[c], vj[d], o[d]);
       }
     }
-    for (int64_t r = 0; r < rows; ++r) {
+    for (r = 0; r < rows; ++r) {
       const int64_t g = r / nodes, i = u.i0 + r % nodes;
       float* a = acc + r * D;
       for (int64_t d = 0; d < D; ++d) a[d] *= inv_l[r];
@@ -328,16 +369,25 @@ void tree_attention_exact(const at::Tensor& q, const at::Tensor& k, const at::Te
   // Rows are independent, so any split into units gives the same bits: (request, kv head, a
   // run of query nodes) keeps every thread busy on one large tree as on many small ones.
   const int64_t threads = at::get_num_threads();
-  std::vector<Unit> units;
   double work = 0.0;
   for (const ExactRequest& rq : requests) {
     const int32_t lo = static_cast<int32_t>(N - Nq), hi = rq.n_real;
+    if (hi > lo) work += 2.0 * G * Hkv * (hi - lo) * (rq.prefix + hi) * D;
+  }
+  // Threads pay from ~2e4 multiply-adds (a 20-key decode step of 9 heads) when the pool is warm, as
+  // it is between a decode step's GEMMs: at 2 threads a 200-key step took 28 us against 35 on one,
+  // a 6-row verify at 400 keys 99 against 138 (AVX2 EPYC). A serial call keeps each (request, kv
+  // head) whole: every unit widens and transposes its keys and converts its values once.
+  const bool parallel = threads > 1 && work >= 2e4;
+  const int64_t pieces = parallel ? threads : 1;
+  std::vector<Unit> units;
+  for (const ExactRequest& rq : requests) {
+    const int32_t lo = static_cast<int32_t>(N - Nq), hi = rq.n_real;
     if (hi <= lo) continue;
-    const int32_t per = std::max<int32_t>(1, (hi - lo + threads - 1) / threads);
+    const int32_t per = std::max<int32_t>(1, (hi - lo + pieces - 1) / pieces);
     for (int64_t h = 0; h < Hkv; ++h) {
       for (int32_t i0 = lo; i0 < hi; i0 += per) units.push_back(Unit{&rq, h, i0, std::min(hi, i0 + per)});
     }
-    work += 2.0 * G * Hkv * (hi - lo) * (rq.prefix + hi) * D;
   }
   const int64_t n = static_cast<int64_t>(units.size());
   if (n == 0) return;
@@ -346,8 +396,7 @@ void tree_attention_exact(const at::Tensor& q, const at::Tensor& k, const at::Te
                                      out.data_ptr<scalar_t>(), k.stride(0), k.stride(1), k.stride(2),
                                      v.stride(0), v.stride(1), v.stride(2), Hq, G, Nq, N, D,
                                      static_cast<float>(scale)};
-    // Below ~4 M multiply-adds a thread pool wakes up for longer than the work takes.
-    at::parallel_for(0, n, work < 4e6 ? n : 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, n, parallel ? 1 : n, [&](int64_t begin, int64_t end) {
       typename ExactKernel<scalar_t>::Scratch sc;
       for (int64_t u = begin; u < end; ++u) kern.run(units[u], sc);
     });
