@@ -23,12 +23,16 @@
 // its stream.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "poss/linear_args.h"
 
@@ -254,6 +258,21 @@ void tail_rows(int64_t rows, const typename Kern::XT* x, const typename Kern::T*
   }
 }
 
+// x as the micro-kernel reads it: the rows themselves, or (bf16 on AVX2) widened to fp32 in a buffer
+// of this thread's. Through aten (.to(float)), the conversion and its allocation cost ~4 us a call,
+// 0.5 ms of a 15 ms decode step.
+template <typename XT, typename T>
+const XT* kernel_rows(const T* x, int64_t n) {
+  if constexpr (std::is_same_v<XT, T>) {
+    return x;
+  } else {
+    thread_local std::vector<XT> widened;
+    widened.resize(n);
+    at::vec::convert(x, widened.data(), n);
+    return widened.data();
+  }
+}
+
 template <typename Kern>
 at::Tensor linear_kernel(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                          const std::optional<at::Tensor>& residual) {
@@ -262,7 +281,7 @@ at::Tensor linear_kernel(const at::Tensor& x, const at::Tensor& weight, const st
   const int64_t K = x.size(-1), N = weight.size(0);
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;
-  const at::Tensor x2 = x.reshape({-1, K}).to(c10::CppTypeToScalarType<XT>::value).contiguous();
+  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
   const auto w = weight.contiguous();
   const int64_t M = x2.size(0);
   auto out = at::empty({M, N}, x.options());
@@ -272,7 +291,7 @@ at::Tensor linear_kernel(const at::Tensor& x, const at::Tensor& weight, const st
   if (residual) r = residual->reshape({M, N}).contiguous();
   const Epilogue<T> e{bias ? b.const_data_ptr<T>() : nullptr, residual ? r.const_data_ptr<T>() : nullptr,
                       out.mutable_data_ptr<T>(), N};
-  const XT* xp = x2.const_data_ptr<XT>();
+  const XT* xp = kernel_rows<XT>(x2.const_data_ptr<T>(), M * K);
   const T* wp = w.const_data_ptr<T>();
   const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
   // Threads pay once a call does ~0.1 M multiply-adds (a 576 x 576 bf16 weight at one row: ~40 us of
