@@ -17,12 +17,20 @@ from helpers.loop import (
     tiny_target,
 )
 from poss.decode import autotune
-from poss.decode.autotune import Calibration, choose, expected_tokens, fit_acceptance, score_table
+from poss.decode.autotune import (
+    Calibration,
+    choose,
+    draft_model,
+    draft_ms,
+    expected_tokens,
+    fit_acceptance,
+    score_table,
+)
 from poss.decode.params import TreeParams
 
 
 def cal(verify, draft, acc, s=1.0, beta=0.5):
-    return Calibration(dict(verify), dict(draft), list(acc), s, beta)
+    return Calibration(dict(verify), list(draft), list(acc), s, beta)
 
 
 def test_expected_tokens_model():
@@ -40,7 +48,7 @@ def test_expected_tokens_model():
 
 FLAT = {1: 30.0, 4: 31.0, 8: 32.0, 16: 34.0, 32: 38.0, 60: 45.0}  # a GPU-like verify: nearly free nodes
 STEEP = {1: 30.0, 4: 45.0, 8: 60.0, 16: 90.0, 32: 150.0, 60: 250.0}  # a small CPU: every node costs
-DRAFT = {d: 2.0 * d for d in range(1, 7)}
+DRAFT = [(T, d, 2.0 * d) for T, d in autotune.CALIBRATION if d]  # 2 ms a level, whatever its width
 
 
 def test_cheap_verify_and_good_draft_pick_a_big_deep_tree():
@@ -55,7 +63,7 @@ def test_expensive_verify_picks_a_small_tree():
 
 def test_weak_draft_or_expensive_draft_falls_back_to_plain_decoding():
     assert choose(cal(STEEP, DRAFT, [0.05] * 6)) == TreeParams(num_nodes=1, depth=0)
-    assert choose(cal(FLAT, {d: 100.0 for d in range(1, 7)}, [0.2] * 6)) == TreeParams(num_nodes=1, depth=0)
+    assert choose(cal(FLAT, [(T, d, 100.0) for T, d, _ in DRAFT], [0.2] * 6)) == TreeParams(num_nodes=1, depth=0)
 
 
 def test_choice_is_the_best_row_and_deterministic():
@@ -65,6 +73,48 @@ def test_choice_is_the_best_row_and_deterministic():
     assert (rows[0]["num_nodes"], rows[0]["depth"]) == (choose(c).num_nodes, choose(c).depth)
     assert choose(c) == choose(cal(STEEP, DRAFT, [0.6, 0.5, 0.4, 0.4, 0.3, 0.3]))
     assert all(r["depth"] < r["num_nodes"] or r["num_nodes"] == 1 for r in rows)
+
+
+def test_draft_cost_model_by_depth_and_beam_width():
+    # first level 1.5 ms; a further level 1.0 ms over a 3-node beam, 3.0 over the full 10; the widest
+    # depth-3 tree spends 0.7 ms more (a specialist's catch-up)
+    timed = [(4, 1, 1.5), (4, 2, 2.5), (16, 2, 4.5), (16, 3, 1.5 + 2 * 3.0 + 0.7)]
+    first, level, catch_up = draft_model(timed)
+    assert first == 1.5 and level == pytest.approx({3: 1.0, 10: 3.0})
+    assert catch_up == pytest.approx({1: 0, 2: 0, 3: 0.7})
+    c = cal(STEEP, timed, [0.5])
+    assert draft_ms(c, 4, 0) == 0.0 and draft_ms(c, 60, 1) == 1.5
+    assert draft_ms(c, 4, 2) == pytest.approx(2.5) and draft_ms(c, 16, 2) == pytest.approx(4.5)
+    assert draft_ms(c, 4, 3) == pytest.approx(1.5 + 2 * 1.0 + 0.7)
+    assert draft_ms(c, 8, 2) == pytest.approx(1.5 + 1.0 + 2.0 * 4 / 7)  # beam 7: between 3 and 10
+    assert draft_ms(c, 60, 6) == pytest.approx(1.5 + 5 * 3.0 + 0.7)  # deeper than timed: the last catch-up
+    assert draft_ms(c, 60, 2, beam_width=4) == pytest.approx(1.5 + 1.0 + 2.0 / 7)  # a narrower beam asked for
+
+
+def test_a_cheap_narrow_level_lets_a_small_tree_go_deeper():
+    # The same timings, except what a level over a 3-node beam costs: cheap, a 4-node tree drafts two
+    # levels; as dear as a full-width level, one.
+    verify = {1: 30.0, 2: 31.0, 4: 32.0, 6: 60.0, 8: 70.0, 16: 90.0, 32: 150.0, 60: 250.0}
+    acc = [0.6, 0.6, 0.5, 0.5, 0.5, 0.5]
+    wide = [(4, 1, 1.0), (4, 2, 13.0), (6, 2, 13.0), (8, 2, 13.0), (16, 2, 13.0), (16, 3, 25.0)]
+    cheap = [(4, 2, 2.0)] + [x for x in wide if x[:2] != (4, 2)]
+    assert (choose(cal(verify, wide, acc)).num_nodes, choose(cal(verify, wide, acc)).depth) == (4, 1)
+    assert (choose(cal(verify, cheap, acc)).num_nodes, choose(cal(verify, cheap, acc)).depth) == (4, 2)
+
+
+def test_a_timed_tree_is_scored_with_its_measured_tau():
+    c = cal(STEEP, DRAFT, [0.5, 0.4, 0.3])
+    c.measured_tau = [(4, 1, 2.2), (16, 3, 1.2)]
+    rows = {(r["num_nodes"], r["depth"]): r for r in score_table(c)}
+    assert rows[(4, 1)]["measured"] and rows[(4, 1)]["tokens_per_round"] == 2.2
+    assert rows[(16, 3)]["tokens_per_round"] == 1.2
+    model = expected_tokens(c.acc, 8, 2, 10, c.s, c.beta)
+    assert not rows[(8, 2)]["measured"] and rows[(8, 2)]["tokens_per_round"] == model
+    # another beam drafts another 16-node tree: the model; the 4-node tree is the same at beam 4
+    rows4 = {(r["num_nodes"], r["depth"]): r for r in score_table(c, beam_width=4)}
+    assert rows4[(16, 3)]["tokens_per_round"] == expected_tokens(c.acc, 16, 3, 4, c.s, c.beta)
+    assert rows4[(4, 1)]["tokens_per_round"] == 2.2
+    assert choose(c) == TreeParams(num_nodes=4, depth=1)
 
 
 def test_fit_recovers_the_acceptance_parameters():
@@ -78,7 +128,7 @@ def test_fit_recovers_the_acceptance_parameters():
 def test_calibration_round_trips_through_json():
     c = cal(STEEP, DRAFT, [0.3])
     c.measured_tau = [(8, 2, 1.4)]
-    assert Calibration.from_json(json.loads(json.dumps(c.to_json()))) == c
+    assert Calibration.from_json(json.loads(json.dumps(c.to_json()))) == c and c.draft_ms == DRAFT
 
 
 NEW = 48
@@ -96,8 +146,9 @@ def test_auto_tree_is_measured_cached_and_lossless(target, tmp_path, monkeypatch
     gen.draft.config.training = {"val": {"acc": [0.5, 0.4, 0.3]}}
     prompts = PROMPTS[:2]
     c = autotune.calibrate(gen, new_tokens=12, prompts=prompts)
-    assert set(c.verify_ms) == set(autotune.SIZES) and set(c.draft_ms) == set(autotune.DEPTHS)
-    assert all(v > 0 for v in c.verify_ms.values()) and len(c.measured_tau) == 6
+    assert set(c.verify_ms) == set(autotune.SIZES) and {d for _, d, _ in c.draft_ms} == set(autotune.DEPTHS)
+    timed = [(T, d) for T, d in autotune.CALIBRATION if d]
+    assert all(v > 0 for v in c.verify_ms.values()) and [(T, d) for T, d, _ in c.measured_tau] == timed
     assert c.acc == [0.5, 0.4, 0.3] and c.key["threads"] == 1 and c.key["dtype"] == "float32"
     files = list((tmp_path / "autotune").glob("*.json"))
     assert len(files) == 1
@@ -153,7 +204,7 @@ def test_auto_default_tree_is_resolved_once_and_overridable(target, monkeypatch)
 def _fake_measure(calls):
     def measure(gen, prompts, new_tokens=32, **kw):
         calls.append(len(prompts))
-        return cal({1: 10.0, 4: 11.0}, {1: 1.0}, [0.5])
+        return cal({1: 10.0, 4: 11.0}, [(4, 1, 1.0)], [0.5])
     return measure
 
 

@@ -15,15 +15,27 @@ expectation, ``E(T, d)`` tokens. The model (kept simple on purpose):
 position, the last one repeated deeper). ``s`` (how much easier the prompts are than the validation
 set) and ``beta`` (how much a second, third... sibling adds: 0 = nothing, 1 = as much as an
 independent guess) are fitted to the tau measured in the calibration rounds; without those rounds
-``s = 1, beta = 0.5``. The choice includes the root-only tree (T = 1, d = 0: plain autoregressive
+``s = 1, beta = 0.5``. A tree that was itself timed (the same size, depth and beam) is scored with
+its measured tau instead: two parameters cannot follow every size (at 2 threads the fit put 2/1 at 1.41
+tokens a round against 1.35 measured, and would have picked it over 4/1). The choice includes the
+root-only tree (T = 1, d = 0: plain autoregressive
 decoding), which wins when the draft is too weak or the machine makes a tree forward too expensive.
 
 Costs are timed once (:func:`calibrate`) by greedy generation with the generator's own profile on
 MT-Bench prompts (by default three prompts, 64 tokens each per config, interleaved; lower quartile per
 round: the fitted acceptance needs text, since one prompt's first 32 tokens gave the shipped PosS-2 a
 tau of 1.72 at 60/6, three prompts x 64 tokens 1.93, and the benchmark's 16 prompts x 256 tokens 2.74)
-at T in {1, 4, 8, 16, 32, 60} and d in {1..6}, and cached as JSON under
-``<poss cache>/autotune/`` keyed by CPU model, threads, dtype, target and draft fingerprints.
+at T in :data:`SIZES` and d in 1..6, and cached as JSON under ``<poss cache>/autotune/`` keyed by CPU
+model, threads, dtype, target and draft fingerprints. Sizes 2 and 6 are there because a CPU's cost is
+not linear in T: the AVX2 GEMM takes up to 6 rows in one pass over the weights, so a 6-node forward
+cost 1.2x a 4-node one and a 7-node one 1.7x (bf16, 2 threads).
+
+Drafting costs ``first + (d - 1) * level(K) + catch_up(d)``: the first level (one row, whatever the
+tree), each further level over a beam of ``K = min(beam_width, T - 1)`` nodes (:mod:`draft_tree`
+drafts no wider than the tree), and the specialists' catch-up forwards past level 2.
+:func:`draft_model` reads the three from the timed configs: ``level(K)`` from depth-2 trees of 3, 5,
+7 and 10 nodes a level (at 2 threads a level over 3 nodes cost 1.7 ms, over 7 nodes 3.0 ms), and
+``catch_up(d)`` from the deeper, widest trees.
 
 Timings taken while other work fills the cores are off (on a 2-core machine, under a test run and a
 compiler, a 4-node verify timed 1.4x a decode step; alone, the ratio is what the tree choice rests
@@ -44,12 +56,14 @@ import torch
 
 from poss.decode.params import TreeParams
 
-SIZES = (1, 4, 8, 16, 32, 60)
+SIZES = (1, 2, 4, 6, 8, 16, 32, 60)
 DEPTHS = (1, 2, 3, 4, 5, 6)
-# Calibration configs (T, d): every size and every depth timed at least once.
-CALIBRATION = ((1, 0), (4, 1), (8, 2), (16, 3), (32, 4), (60, 5), (60, 6))
+# Calibration configs (T, d): every size and depth timed at least once, depth 2 at every beam width
+# (T - 1 = 3, 5, 7 and the full 10) and the catch-ups at the full width.
+CALIBRATION = ((1, 0), (2, 1), (4, 1), (4, 2), (6, 2), (8, 2), (16, 2), (16, 3), (32, 4), (60, 5), (60, 6))
+CALIBRATION_BEAM = 10
 DEFAULT_S, DEFAULT_BETA = 1.0, 0.5
-CACHE_VERSION = 5  # bump when what is measured or its kernels change: old cache files are then ignored
+CACHE_VERSION = 6  # bump when what is measured or its kernels change: old cache files are then ignored
 
 
 @dataclass
@@ -57,7 +71,7 @@ class Calibration:
     """Measured per-round milliseconds and the fitted acceptance model."""
 
     verify_ms: Dict[int, float]  # num_nodes -> ms per round for everything but drafting
-    draft_ms: Dict[int, float]  # depth -> ms per round of drafting
+    draft_ms: List[Tuple[int, int, float]]  # (T, d, ms per round of drafting) as timed (beam 10)
     acc: List[float]  # the draft's per-position top-1 accuracy p_i
     s: float = DEFAULT_S
     beta: float = DEFAULT_BETA
@@ -71,7 +85,7 @@ class Calibration:
     def from_json(cls, d: Dict) -> "Calibration":
         d = dict(d)
         d["verify_ms"] = {int(k): v for k, v in d["verify_ms"].items()}
-        d["draft_ms"] = {int(k): v for k, v in d["draft_ms"].items()}
+        d["draft_ms"] = [tuple(x) for x in d["draft_ms"]]
         d["measured_tau"] = [tuple(x) for x in d.get("measured_tau", [])]
         return cls(**d)
 
@@ -109,8 +123,42 @@ def interpolate(table: Dict[int, float], x: int) -> float:
     raise AssertionError
 
 
-def round_ms(cal: Calibration, num_nodes: int, depth: int) -> float:
-    return interpolate(cal.verify_ms, num_nodes) + (interpolate(cal.draft_ms, depth) if depth else 0.0)
+def beam(num_nodes: int, beam_width: int) -> int:
+    """The beam :func:`poss.decode.draft_tree.draft_tree` drafts levels 2 and deeper over."""
+    return max(1, min(beam_width, num_nodes - 1))
+
+
+def draft_model(timed: Sequence[Tuple[int, int, float]]) -> Tuple[float, Dict[int, float], Dict[int, float]]:
+    """``(first, level, catch_up)`` from drafting times ``(T, d, ms)`` taken at beam
+    :data:`CALIBRATION_BEAM`: the first level's ms, ms per further level by beam width (from depth-2
+    trees; from any deeper one where none was timed), and the ms past ``first + (d - 1) * level`` of
+    the widest trees by depth (0 at depths 1 and 2)."""
+    first = min((ms for T, d, ms in timed if d == 1), default=0.0)
+    level: Dict[int, float] = {}
+    for T, d, ms in sorted(timed, key=lambda x: -x[1]):  # depth 2 last: it overrides the deeper ones
+        if d >= 2:
+            level[beam(T, CALIBRATION_BEAM)] = max(0.0, (ms - first) / (d - 1))
+    catch_up = {1: 0.0, 2: 0.0}
+    if level:
+        widest = max(level)
+        for T, d, ms in timed:
+            if d >= 3 and beam(T, CALIBRATION_BEAM) == widest:
+                catch_up[d] = max(0.0, ms - first - (d - 1) * level[widest])
+    return first, level, catch_up
+
+
+def draft_ms(cal: Calibration, num_nodes: int, depth: int, beam_width: int = CALIBRATION_BEAM) -> float:
+    """Expected ms of drafting ``depth`` levels for a ``num_nodes`` tree (0 at depth 0)."""
+    if depth <= 0:
+        return 0.0
+    first, level, catch_up = draft_model(cal.draft_ms)
+    if depth == 1 or not level:
+        return first
+    return first + (depth - 1) * interpolate(level, beam(num_nodes, beam_width)) + interpolate(catch_up, depth)
+
+
+def round_ms(cal: Calibration, num_nodes: int, depth: int, beam_width: int = CALIBRATION_BEAM) -> float:
+    return interpolate(cal.verify_ms, num_nodes) + draft_ms(cal, num_nodes, depth, beam_width)
 
 
 def candidates(sizes=SIZES, depths=DEPTHS) -> List[Tuple[int, int]]:
@@ -121,12 +169,15 @@ def candidates(sizes=SIZES, depths=DEPTHS) -> List[Tuple[int, int]]:
 
 
 def score_table(cal: Calibration, beam_width: int = 10, sizes=SIZES, depths=DEPTHS) -> List[Dict]:
-    """Every candidate ``(T, d)`` with its expected tokens per round, ms per round and tokens/s, best first."""
+    """Every candidate ``(T, d)`` with its tokens per round (``measured``: the calibration's tau, else
+    the fitted model's), ms per round and tokens/s, best first."""
+    timed = {(T, d): tau for T, d, tau in cal.measured_tau}
     rows = []
     for T, d in candidates(sizes, depths):
-        e = expected_tokens(cal.acc, T, d, beam_width, cal.s, cal.beta)
-        ms = round_ms(cal, T, d)
-        rows.append({"num_nodes": T, "depth": d, "tokens_per_round": e, "ms_per_round": ms,
+        measured = (T, d) in timed and beam(T, beam_width) == beam(T, CALIBRATION_BEAM)
+        e = timed[(T, d)] if measured else expected_tokens(cal.acc, T, d, beam_width, cal.s, cal.beta)
+        ms = round_ms(cal, T, d, beam_width)
+        rows.append({"num_nodes": T, "depth": d, "tokens_per_round": e, "measured": measured, "ms_per_round": ms,
                      "tokens_per_s": 1e3 * e / ms})
     rows.sort(key=lambda r: (-r["tokens_per_s"], r["num_nodes"], r["depth"]))
     return rows
@@ -252,8 +303,7 @@ def _low(xs: Sequence[float]) -> float:
     return xs[len(xs) // 4]
 
 
-def measure(gen, prompts: Sequence, new_tokens: int = 32, configs=CALIBRATION,
-            beam_width: int = 10) -> Calibration:
+def measure(gen, prompts: Sequence, new_tokens: int = 32, configs=CALIBRATION) -> Calibration:
     """Time every ``(T, d)`` of ``configs`` with greedy generation (batch 1) and fit the acceptance.
 
     Configs are interleaved per prompt (a load spike on a shared machine hits all of them alike), and
@@ -263,7 +313,7 @@ def measure(gen, prompts: Sequence, new_tokens: int = 32, configs=CALIBRATION,
 
     configs = [(T, d) for T, d in configs if gen.draft is not None or not d]
     verify: Dict[int, List[float]] = {}
-    draft: Dict[int, List[float]] = {}
+    draft: Dict[Tuple[int, int], List[float]] = {}
     counts = {c: [0, 0] for c in configs}  # tokens after the first, rounds
     saved_end, saved_profile = gen.end_ids, gen.profile
     gen.end_ids = set()  # every request runs its full length
@@ -276,22 +326,22 @@ def measure(gen, prompts: Sequence, new_tokens: int = 32, configs=CALIBRATION,
             for T, d in configs:
                 bar.update()
                 gen.profile = {}
-                res = gen.generate([p], new_tokens, num_nodes=T, depth=d, beam_width=beam_width)
+                res = gen.generate([p], new_tokens, num_nodes=T, depth=d, beam_width=CALIBRATION_BEAM)
                 counts[(T, d)][0] += res.stats[0].tokens - 1  # the prefill makes the first token
                 counts[(T, d)][1] += res.stats[0].rounds
                 prof = gen.profile
                 phases = zip(*(prof.get(k, []) for k in ("verify", "commit", "host")))
                 verify.setdefault(T, []).extend(sum(x) for x in phases)
                 if d:
-                    draft.setdefault(d, []).extend(prof["draft"])
+                    draft.setdefault((T, d), []).extend(prof["draft"])
     finally:
         bar.close()
         gen.end_ids, gen.profile = saved_end, saved_profile
     taus = [(T, d, n / max(r, 1)) for (T, d), (n, r) in counts.items() if d]
     acc = draft_accuracy(gen.draft) if gen.draft is not None else [0.0]
-    s, beta = fit_acceptance(acc, taus, beam_width)
+    s, beta = fit_acceptance(acc, taus, CALIBRATION_BEAM)
     return Calibration({k: 1e3 * _low(v) for k, v in verify.items()},
-                       {k: 1e3 * _low(v) for k, v in draft.items()} or {1: 0.0}, acc, s, beta, taus)
+                       [(T, d, 1e3 * _low(v)) for (T, d), v in draft.items()], acc, s, beta, taus)
 
 
 def calibrate(gen, n_prompts: int = 3, new_tokens: int = 64, refresh: bool = False, cache: bool = True,
