@@ -4,7 +4,8 @@ Verify case: prefix 2048, a random tree of N = 60 nodes, every node queries (Nq 
 the same keys (prefix + tree slots): SDPA with the dense [Nq, S] tree mask, and unmasked SDPA (a lower
 bound: same FLOPs, no mask). Prefill case: a chain of 512 nodes (causal) vs SDPA is_causal=True.
 Decode case: one query behind a prefix of 200 or 2000 keys (the row-exact path of every decode step)
-vs unmasked SDPA over the same keys.
+vs unmasked SDPA over the same keys. Small-tree case: the root and 3 or 5 children behind 400 keys
+(the 4- and 6-node verifies ``auto`` picks on a CPU) vs SDPA with the dense mask.
 Compare within one benchmark group (same shapes, dtype, threads). The single-thread groups are the
 steadier ones on a shared machine: with every core in use, a multi-threaded call waits for a
 descheduled worker and the wall time measures the neighbours.
@@ -101,4 +102,28 @@ def test_decode_step_attention(benchmark, threads, prefix, dtype, impl):
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, scale=D**-0.5, enable_gqa=True),
     }
     benchmark.group = f"decode step prefix={prefix} Hq={Hq} Hkv={Hkv} D={D} {dtype} threads={threads}"
+    benchmark.pedantic(fns[impl], rounds=200, warmup_rounds=10)
+
+
+@pytest.mark.parametrize("impl", ["poss", "sdpa_dense_mask"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("nodes", [4, 6])
+def test_small_tree_verify_attention(benchmark, threads, nodes, dtype, impl):
+    """The trees ``auto`` picks on a CPU: the root and 3 or 5 children behind 400 committed keys."""
+    Hq, Hkv, D, prefix = *SHAPES[0], 400
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, Hq, nodes, D, generator=gen).to(dtype)
+    k = torch.randn(1, Hkv, prefix + nodes, D, generator=gen).to(dtype)
+    v = torch.randn(1, Hkv, prefix + nodes, D, generator=gen).to(dtype)
+    parents = torch.tensor([[-1] + [0] * (nodes - 1)], dtype=torch.int32)
+    prefix_len = torch.tensor([prefix], dtype=torch.int32)
+    visible = torch.eye(nodes, dtype=torch.bool)
+    visible[:, 0] = True
+    mask = torch.cat([torch.ones(nodes, prefix, dtype=torch.bool), visible], -1)
+    fns = {
+        "poss": lambda: torch.ops.poss.tree_attention(q, k, v, prefix_len, parents, D**-0.5),
+        "sdpa_dense_mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D**-0.5,
+                                                                  enable_gqa=True),
+    }
+    benchmark.group = f"small tree N={nodes} prefix={prefix} Hq={Hq} Hkv={Hkv} D={D} {dtype} threads={threads}"
     benchmark.pedantic(fns[impl], rounds=200, warmup_rounds=10)
