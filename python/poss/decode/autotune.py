@@ -34,7 +34,7 @@ Drafting costs ``first + (d - 1) * level(K) + catch_up(d)``: the first level (on
 tree), each further level over a beam of ``K = min(beam_width, T - 1)`` nodes (:mod:`draft_tree`
 drafts no wider than the tree), and the specialists' catch-up forwards past level 2.
 :func:`draft_model` reads the three from the timed configs: ``level(K)`` from depth-2 trees of 3, 5,
-7 and 10 nodes a level (at 2 threads a level over 3 nodes cost 1.7 ms, over 7 nodes 3.0 ms), and
+7 and 10 nodes a level (at 2 threads a level over 3 nodes cost 1.5 ms, over 7 nodes 2.8 ms), and
 ``catch_up(d)`` from the deeper, widest trees.
 
 Timings taken while other work fills the cores are off (on a 2-core machine, under a test run and a
