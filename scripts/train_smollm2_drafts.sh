@@ -18,6 +18,9 @@
 # trains only on the training answers from the K-th on (those a later data set added):
 #   DATA=runs/distill-bf16 INIT_EACH=drafts TRAIN_START=1116 RUNS=runs/round2 scripts/train_smollm2_drafts.sh eagle2 hass poss2
 #
+# EXTRA="--feature-weight 0" passes more `poss train` flags to every run (here: EAGLE-3's objective,
+# cross-entropy only, for the multi-step methods).
+#
 # The init run is the shipped drafts/eagle2 of 2026-11-30: epoch 3 of a 6-epoch linear schedule, the run
 # stopped there (183 optimizer steps per epoch at batch 4 over the 732 training answers, so
 # --max-batches 549). Set INIT to an existing draft folder to start from it instead.
@@ -38,12 +41,13 @@ CKPT_MIN=${CKPT_MIN:-5}
 INIT_EACH=${INIT_EACH:-}
 TRAIN_START=${TRAIN_START:-0}
 TRAIN_SIZE=${TRAIN_SIZE:-1000}
+read -r -a EXTRA <<< "${EXTRA:-}"
 STEPS=6   # draft positions trained by PosS, as the paper does
 export PYTHONPATH="$PWD:$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 
 common=(--target smollm2-135m --data "$DATA" --batch-size "$BATCH" --lr "$LR" --threads "$THREADS"
         --checkpoint-minutes "$CKPT_MIN" --validate-every-epoch --resume --train-start "$TRAIN_START"
-        --train-size "$TRAIN_SIZE")
+        --train-size "$TRAIN_SIZE" ${EXTRA[@]+"${EXTRA[@]}"})
 
 run() {  # name, extra args...
   local name=$1; shift

@@ -281,6 +281,8 @@ def test_chat_message_over_the_context_is_reported_and_dropped(capsys):
     (["--positions-per-specialist", "0"], "--positions-per-specialist"), (["--threads", "0"], "--threads"),
     (["--target", "nope"], "--target"), (["--init-from", "nowhere"], "--init-from"), (["--data", "nowhere"], "--data"),
     (["--train-start", "-1"], "--train-start"), (["--train-start", "5"], "--train-start"),  # the latter without --data
+    (["--feature-weight", "-1"], "--feature-weight"), (["--token-weight", "0"], "--token-weight"),
+    (["--method", "eagle2", "--feature-weight", "0"], "--feature-weight"),  # one step: untrained inputs after it
 ])
 def test_train_bad_inputs(bad, flag, tmp_path, capsys):
     fails(["train", "--out", str(tmp_path / "run")] + bad, flag, capsys)

@@ -108,6 +108,22 @@ def test_losses_match_the_textbook_formulas(runner):
     assert int(m["correct"]) == int((logits.argmax(-1) == p.argmax(-1)).sum()) and int(m["count"]) == M
 
 
+def test_feature_weight_zero_trains_the_draft_on_its_tokens_alone(runner):
+    """EAGLE-3's objective (``--feature-weight 0``): the loss and its gradient are the cross-entropy's only."""
+    batch, _ = batch_for(runner)
+    g = torch.randn_like(batch.target).requires_grad_()
+    m = step_losses(g, batch, runner.lm_head, Objective(v_weight=0.0, p_weight=1.0))
+    m["loss"].backward()
+    rows = batch.row_mask
+    g2 = g.detach().clone().requires_grad_()
+    p = torch.softmax(batch.target[rows] @ runner.lm_head.t(), -1)
+    ce = F.cross_entropy(g2[rows] @ runner.lm_head.t(), p, reduction="sum") / rows.sum()
+    ce.backward()
+    assert m["vloss"] > 0  # the feature loss is still reported, only not trained on
+    torch.testing.assert_close(m["loss"], ce, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(g.grad, g2.grad, rtol=1e-4, atol=1e-7)
+
+
 def test_make_batch_shift_mask_and_noise(runner):
     batch, b = batch_for(runner, noise=0.0)
     ids, mask, lengths = b["input_ids"], b["loss_mask"], b["lengths"]

@@ -39,6 +39,10 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int_at_least(1), default=1, help="conversations per optimizer step")
     p.add_argument("--lr", type=float_in(0, low_open=True), default=3e-5, help="peak learning rate")
     p.add_argument("--topk-weight", type=float_in(0), default=0.0, help="HASS top-K loss weight (K=10)")
+    p.add_argument("--feature-weight", type=float_in(0), default=1.0,
+                   help="SmoothL1 feature-regression weight (EAGLE/HASS/PosS: 1.0; EAGLE-3 drops it: 0)")
+    p.add_argument("--token-weight", type=float_in(0, low_open=True), default=0.1,
+                   help="soft cross-entropy weight against the target's distribution (EAGLE/HASS/PosS: 0.1)")
     p.add_argument("--noise-std", type=float_in(0), default=0.2, help="feature noise during training")
     p.add_argument("--checkpoint-minutes", type=float_in(0, low_open=True), default=10.0,
                    help="minutes between checkpoints")
@@ -114,6 +118,10 @@ def check_train_arguments(args) -> None:
         raise UsageError("--train-start needs --data (a `poss distill` folder)")
     if args.device is not None and args.device.split(":")[0] not in ("cpu", "cuda"):
         raise UsageError(f"--device: expected cpu, cuda or cuda:N, got {args.device!r}")
+    if args.validate is None and args.feature_weight == 0 and (args.method == "eagle2" or (args.steps or 2) < 2):
+        # Without the feature loss a one-step draft's output features are never trained as the next
+        # position's input, so every draft position after the first would run on untrained inputs.
+        raise UsageError("--feature-weight 0 needs a multi-step objective (--method hass or poss, --steps >= 2)")
 
 
 def run_train(args) -> int:
@@ -135,6 +143,7 @@ def run_train(args) -> int:
         return 0
     cfg = TrainConfig(method=args.method, steps=args.steps, positions_per_specialist=args.positions_per_specialist,
                       epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, topk_weight=args.topk_weight,
+                      v_weight=args.feature_weight, p_weight=args.token_weight,
                       noise_std=args.noise_std, checkpoint_minutes=args.checkpoint_minutes, seed=args.seed,
                       max_batches=args.max_batches, validate_every_epoch=args.validate_every_epoch,
                       autocast="bf16" if runner.dtype == torch.bfloat16 else "none")
