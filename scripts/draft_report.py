@@ -315,10 +315,12 @@ def precision(training: dict) -> str:
 
 
 def learning_curves(init_curve: dict, runs: List[Path], init_row: Optional[dict],
-                    init_dir: Optional[Path]) -> List[dict]:
-    """Curves of (token-passes, acc@1, epoch) points: the init run's, the init draft re-scored here, and every
-    run with per-epoch validations, counted from where the init stopped when it started from it (``start``:
-    the re-scored init, drawn as the first point of the line, not listed again in the table)."""
+                    init_dir: Optional[Path], past: List[dict] = ()) -> List[dict]:
+    """Curves of (token-passes, acc@1, epoch) points: the init run's, the init draft re-scored here, the
+    ``past`` runs' (an earlier report's run curves, whose run folders are gone), and every run with per-epoch
+    validations, counted from where the init stopped when it started from it (``start``: the re-scored init,
+    drawn as the first point of the line, not listed again in the table). A run here replaces a past curve
+    of the same label."""
     base = init_curve["points"][-1]["tokens"]
     curves = [{"label": init_curve["label"], "measured": init_curve["measured"], "kind": "init", "start": None,
                "points": [(p["tokens"], p["acc1"], p["epoch"]) for p in init_curve["points"]]}]
@@ -347,7 +349,27 @@ def learning_curves(init_curve: dict, runs: List[Path], init_row: Optional[dict]
                        "measured": f"per-epoch validation, {precision(cfg['training'])}",
                        "start": rescored if from_init else None,
                        "points": [(offset + p["tokens"], p["val"]["acc"][0], p["epoch"]) for p in points]})
-    return curves
+    live = {c["label"] for c in curves}
+    kept = [{**c, "kind": "run", "start": None, "points": [tuple(p) for p in c["points"]]}
+            for c in past if c["label"] not in live]
+    return curves[:2 if rescored else 1] + kept + curves[2 if rescored else 1:]
+
+
+def read_past_curves(path: Optional[Path]) -> List[dict]:
+    """The run curves an earlier report saved (``--curve-json``); none without a file."""
+    if path is None:
+        return []
+    return [c for c in read_json(path)["curves"] if c["kind"] == "run"]
+
+
+def write_curves(curves: List[dict], path: Path) -> None:
+    """Every curve as drawn, so a later report keeps the runs whose folders this machine will lose."""
+    keep = [{"label": c["label"], "kind": c["kind"], "measured": c["measured"],
+             "points": [list(p) for p in c["points"]]} for c in curves]
+    note = ("Written by scripts/draft_report.py: the EAGLE-2 learning curve's points, each [token-passes, held-out "
+            "acc@1, epoch]. A later report reads it back with --past-curves.")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"note": note, "curves": keep}, indent=1) + "\n")
 
 
 def curve_table(curves: List[dict]) -> str:
@@ -453,7 +475,10 @@ def init_text(init: Optional[dict], r: dict) -> str:
              f"epoch {init['epoch']} of {init['epochs']} planned" if init.get("epoch") and init.get("epochs") else None,
              f"{init['tokens']:,} token-passes" if init.get("tokens") else None,
              f"held-out acc@1 {100 * init['acc1']:.1f} %" if init.get("acc1") is not None else None,
-             None if init["recorded"] else "the driver script's INIT, not recorded in this config"]
+             None if init["recorded"] else "the driver script's INIT, not recorded in this config",
+             # A later round continues the shipped draft in place: the folder now holds this draft.
+             "the draft this one replaced in `drafts/` (git: the commit before this file's)"
+             if Path(init["path"]).parts[:1] == ("drafts",) else None]
     copies = {"eagle2": "training continues from its weights", "hass": "the layer starts as a copy of its layer"}
     return (f"`--init-from {init['path']}` ({', '.join(f for f in facts if f)}); "
             + copies.get(r["method"], "every specialist starts as a copy of its layer"))
@@ -575,6 +600,11 @@ def main(argv=None) -> int:
     ap.add_argument("--curve-runs", nargs="*", default=[],
                     help="more EAGLE-2 run folders whose per-epoch validations join the learning curve "
                          "(e.g. the earlier rounds' runs)")
+    ap.add_argument("--past-curves", default=None,
+                    help="an earlier report's --curve-json: its run curves join the learning curve (their run "
+                         "folders may be gone)")
+    ap.add_argument("--curve-json", default="docs/bench/eagle2_learning_curve.json",
+                    help="where the learning curve's points are written")
     ap.add_argument("--steps", type=int, default=6, help="draft positions to score (the paper's 6)")
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="the target's dtype")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads of each validation")
@@ -584,8 +614,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ship", nargs="*", default=[], help="run names to copy into --dest with a model card")
     ap.add_argument("--dest", default="drafts")
     a = ap.parse_args(argv)
-    for name in ("runs", "data", "init_curve", "table", "plot", "curve_plot", "dest"):
+    for name in ("runs", "data", "init_curve", "table", "plot", "curve_plot", "curve_json", "dest"):
         setattr(a, name, repo_path(getattr(a, name)))
+    a.past_curves = a.past_curves and repo_path(a.past_curves)
     a.init = None if a.init == "none" else repo_path(a.init)
 
     from poss.hardware import resolve_dtype
@@ -626,12 +657,14 @@ def main(argv=None) -> int:
         label = f"{method_label(cfg['training']['recipe'])} {own_label or a.baseline_label}"
         rows.append(describe(base.name, base, cfg, validation(base, cfg, cache, a), None, None, label))
     rows.sort(key=sort_key)
-    curves = learning_curves(read_json(a.init_curve), [repo_path(r) for r in a.curve_runs] + run_dirs, init_row, a.init)
+    curves = learning_curves(read_json(a.init_curve), [repo_path(r) for r in a.curve_runs] + run_dirs, init_row,
+                             a.init, read_past_curves(a.past_curves))
     print(table(rows, a.steps))
     print()
     print(curve_table(curves))
     plot_steps(rows, a.steps, a.plot)
     plot_curves(curves, a.curve_plot)
+    write_curves(curves, a.curve_json)
     a.table.parent.mkdir(parents=True, exist_ok=True)
     a.table.write_text(report_text(rows, curves, a))
     print(f"wrote {a.table}", file=sys.stderr)

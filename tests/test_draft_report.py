@@ -85,6 +85,9 @@ def test_init_is_recorded_assumed_or_none(rep, tmp_path):
                                       "training": fake_config("eagle2", 1, 1, epoch=3)["training"]})
     got = rep.init_of(recorded, None, init_dir)
     assert got["recorded"] and got["path"] == "drafts/eagle2" and got["epoch"] == 3
+    # drafts/eagle2 is where the new draft ships, so the card says which version it started from.
+    assert "the draft this one replaced in `drafts/`" in rep.init_text(got, recorded["training"]["recipe"])
+    assert "replaced" not in rep.init_text({**got, "path": "runs/round3-best/poss2"}, recorded["training"]["recipe"])
     assert rep.init_of(fake_config(init_from=None), None, init_dir) is None
     assert rep.init_of(fake_config(), tmp_path / "runs" / "eagle2-init", init_dir) is None  # the run is the init
     assert rep.init_of(fake_config(), tmp_path / "runs" / "hass", init_dir)["recorded"] is False
@@ -182,3 +185,30 @@ def test_a_curve_starts_at_the_init_only_for_runs_that_started_from_it(rep, tmp_
     assert got[f"EAGLE-2 (`{tmp_path.name}/from-init`)"]["start"] == (773604, 0.334, 3)
     older = got[f"EAGLE-2 (`{tmp_path.name}/from-older`)"]
     assert older["start"] is None and older["points"] == [(500100, 0.4, 1)]
+
+
+def test_past_curves_survive_their_run_folders(rep, tmp_path):
+    """A report saves its curves; the next one, whose machine lost the old run folders, draws them again,
+    and a run that is still here replaces its saved curve."""
+    runs = []
+    for name, acc in (("round1", 0.40), ("round2", 0.46)):
+        run = tmp_path / name / "eagle2"
+        write_draft(run / "draft-fp16", fake_config("eagle2", 1, 1))
+        (run / "metrics.jsonl").write_text(
+            json.dumps({"val_epoch": {"epoch": 1, "tokens": 100, "val": {"acc": [acc]}}}))
+        runs.append(run)
+    curve = {"label": "init run", "measured": "fp32", "points": [{"epoch": 3, "tokens": 773604, "acc1": 0.334}]}
+    saved = tmp_path / "curve.json"
+    rep.write_curves(rep.learning_curves(curve, runs, None, None), saved)
+    past = rep.read_past_curves(saved)
+    assert [c["label"] for c in past] == ["EAGLE-2 (`round1/eagle2`)", "EAGLE-2 (`round2/eagle2`)"]
+
+    (runs[1] / "metrics.jsonl").write_text(
+        json.dumps({"val_epoch": {"epoch": 1, "tokens": 100, "val": {"acc": [0.50]}}}))  # round 2 rescored
+    got = rep.learning_curves(curve, runs[1:], None, None, past)
+    assert [(c["label"], c["points"]) for c in got] == [
+        ("init run", [(773604, 0.334, 3)]),
+        ("EAGLE-2 (`round1/eagle2`)", [(100, 0.40, 1)]),  # only in the saved file
+        ("EAGLE-2 (`round2/eagle2`)", [(100, 0.50, 1)]),  # the live run, not its saved copy
+    ]
+    assert "| 100 | 40.0% |" in rep.curve_table(got)
