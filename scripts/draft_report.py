@@ -350,9 +350,9 @@ def learning_curves(init_curve: dict, runs: List[Path], init_row: Optional[dict]
                        "start": rescored if from_init else None,
                        "points": [(offset + p["tokens"], p["val"]["acc"][0], p["epoch"]) for p in points]})
     live = {c["label"] for c in curves}
-    kept = [{**c, "kind": "run", "start": None, "points": [tuple(p) for p in c["points"]]}
-            for c in past if c["label"] not in live]
-    return curves[:2 if rescored else 1] + kept + curves[2 if rescored else 1:]
+    kept = [{**c, "start": None, "points": [tuple(p) for p in c["points"]]} for c in past if c["label"] not in live]
+    first_run = 2 if rescored else 1  # the past runs go before the live ones, after the init lines
+    return curves[:first_run] + kept + curves[first_run:]
 
 
 def read_past_curves(path: Optional[Path]) -> List[dict]:
