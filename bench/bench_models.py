@@ -125,16 +125,20 @@ def smollm2():
 
 
 def hf_step(model, T):
+    import inspect
+
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
+    # transformers 5.25 renamed past_key_values to cache (the old name is to go in 5.40).
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.inference_mode():
-        model(torch.randint(0, 49152, (1, PREFIX)), past_key_values=cache, use_cache=True)
+        model(torch.randint(0, 49152, (1, PREFIX)), use_cache=True, **{name: cache})
     ids = torch.randint(0, 49152, (1, T))
 
     def step():
         with torch.inference_mode():
-            model(ids, past_key_values=cache, use_cache=True)
+            model(ids, use_cache=True, **{name: cache})
         cache.crop(-T)  # drop the step's tokens again
 
     return step
