@@ -14,6 +14,7 @@ Run: ``PYTHONPATH=.:python pytest bench/bench_models.py --benchmark-only``
 2-thread run wait on descheduled threads and the timings measure the neighbours, not the code.
 """
 
+import inspect
 import os
 
 import pytest
@@ -125,8 +126,6 @@ def smollm2():
 
 
 def hf_step(model, T):
-    import inspect
-
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
