@@ -96,6 +96,12 @@ POSS_AVX512BF16 inline float hsum512(__m512 v) {
   return _mm512_cvtss_f32(v);
 }
 
+// Tried and not kept (AVX512-BF16 EPYC, one core, 2026-12-04): the horizontal sums of 16 accumulators
+// at once, by the same pairwise tree (bit for bit; 15 adds per 16 sums instead of 64). In eight
+// alternated runs of bench/bench_weight_stream.py's shapes it streamed no faster at any M from 1 to
+// 32 (best 18.6 / 18.1 / 9.7 / 8.3 GB/s against 19.1 / 16.6 / 10.4 / 8.7 at M = 1 / 2 / 4 / 8). With
+// a weight that stays in L2 this kernel does 20 / 50 / 62 / 66 GMAC/s at M = 1 / 4 / 12 / 24: past a
+// few rows a tree is bound by VDPBF16PS throughput, not by the sums or the stores.
 struct Bf16Avx512 {
   using T = c10::BFloat16;   // the tensors' dtype (weights, bias, residual, out)
   using XT = c10::BFloat16;  // x as the micro-kernel reads it
