@@ -190,3 +190,25 @@ def test_lanes_are_summed_in_the_documented_pairwise_order(dtype, M):
     w[:, ::per_lane] = torch.from_numpy(v) / x[0, ::per_lane]  # x * w = v exactly (powers of two and ones)
     out = poss_ext.ops.linear(x.to(dtype), w.to(dtype))
     assert torch.equal(out.float(), torch.full((M, 9), want).to(dtype).float())
+
+
+@pytest.mark.parametrize("M", [1, 2, 5, 6, 8])
+def test_bf16_output_is_rounded_to_nearest_even_once(M):
+    """The epilogue adds bias and residual to the fp32 dot product and rounds once, to nearest, ties
+    to even (as torch's float -> bfloat16 conversion does). Small integers keep every fp32 sum exact,
+    and sums of 9 to 10 significant bits land on the bf16 ties and on both sides of them, so a
+    truncating, round-half-up or twice-rounding epilogue gives different bits. A NaN input row gives NaN."""
+    g = torch.Generator().manual_seed(M)
+    N = 37  # full column tiles and a tail
+    x = torch.randint(1, 3, (M, 2), generator=g).float()                  # 1 or 2
+    w = torch.randint(0, 128, (N, 2), generator=g).float()                # dot product <= 512, exact
+    b = torch.randint(0, 256, (N,), generator=g).float()
+    r = torch.randint(0, 256, (M, N), generator=g).float()
+    want = (x @ w.t() + b + r).to(torch.bfloat16)  # exact fp32 sums, rounded once
+    assert ((x @ w.t() + b + r) != want.float()).any()  # some sums do need rounding
+    bf = torch.bfloat16
+    out = poss_ext.ops.linear(x.to(bf), w.to(bf), b.to(bf), r.to(bf))
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+    x[0, 0] = float("nan")
+    out = poss_ext.ops.linear(x.to(bf), w.to(bf), b.to(bf), r.to(bf))
+    assert out[0].float().isnan().all() and not out[1:].float().isnan().any()

@@ -53,17 +53,20 @@ constexpr int64_t kRowBlock = 64;  // weight rows per thread work unit
 // Prefetching a fixed distance ahead of that stream, linearly, one line per 64 bytes consumed,
 // keeps enough reads in flight: at one x row it streamed 15-30 % faster than prefetching the next
 // micro-kernel's rows at the same k (AVX512-BF16 EPYC, one core; 8 KB beat 4, 6, 12 and 16 KB).
+// The AVX512-BF16 kernel prefetches into L2 (_MM_HINT_T1): at 4-6 x rows it streamed up to 1.3x
+// faster than into L1, and no slower at 1-3 (same CPU, alternated runs).
 constexpr int64_t kPrefetchBytes = 8192;
 
 #ifdef POSS_X86_KERNELS
 
 // Prefetch for the k step that starts at element k of a micro-kernel over NR rows of `w`: the line(s)
-// `offset` bytes past what this step reads (a hint: addresses past the weights are harmless).
-template <int NR, int kVecBytes, typename T>
+// `offset` bytes past what this step reads (a hint: addresses past the weights are harmless), into
+// L1 (kHint = _MM_HINT_T0) or L2 (_MM_HINT_T1).
+template <int NR, int kVecBytes, decltype(_MM_HINT_T0) kHint = _MM_HINT_T0, typename T>
 inline void prefetch_ahead(const T* w, int64_t k, int64_t offset) {
   const char* p = reinterpret_cast<const char*>(w) + offset + k * static_cast<int64_t>(sizeof(T)) * NR;
 #pragma GCC unroll 8
-  for (int l = 0; l < NR * kVecBytes / 64; ++l) _mm_prefetch(p + 64 * l, _MM_HINT_T0);
+  for (int l = 0; l < NR * kVecBytes / 64; ++l) _mm_prefetch(p + 64 * l, kHint);
 }
 
 template <typename T>
@@ -99,9 +102,12 @@ POSS_AVX512BF16 inline float hsum512(__m512 v) {
 // Tried and not kept (AVX512-BF16 EPYC, one core, 2026-12-04): the horizontal sums of 16 accumulators
 // at once, by the same pairwise tree (bit for bit; 15 adds per 16 sums instead of 64). In eight
 // alternated runs of bench/bench_weight_stream.py's shapes it streamed no faster at any M from 1 to
-// 32 (best 18.6 / 18.1 / 9.7 / 8.3 GB/s against 19.1 / 16.6 / 10.4 / 8.7 at M = 1 / 2 / 4 / 8). With
-// a weight that stays in L2 this kernel does 20 / 50 / 62 / 66 GMAC/s at M = 1 / 4 / 12 / 24: past a
-// few rows a tree is bound by VDPBF16PS throughput, not by the sums or the stores.
+// 32. With a weight that stays in L2 this kernel does 27 / 61 / 63 / 68 GMAC/s at M = 1 / 4 / 6 / 12.
+// What did pay, on the same CPU: the rounding and storing of the results in vector lanes
+// (store_row) instead of element by element, and prefetching into L2 rather than L1. Streamed from
+// memory, SmolLM2-sized weights went from 9-10 to 16-20 GB/s at 4-6 rows (1-3 rows: unchanged, 15-19
+// GB/s), so a 5-row tree verify costs about one decode step. In L2 the two epilogues run at the same
+// speed; what held the stream up is not established.
 struct Bf16Avx512 {
   using T = c10::BFloat16;   // the tensors' dtype (weights, bias, residual, out)
   using XT = c10::BFloat16;  // x as the micro-kernel reads it
@@ -125,7 +131,7 @@ struct Bf16Avx512 {
       __m512bh xv[MR];
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) xv[i] = (__m512bh)_mm512_loadu_si512(x + i * K + k);
-      prefetch_ahead<NR, 64>(w, k, prefetch);
+      prefetch_ahead<NR, 64, _MM_HINT_T1>(w, k, prefetch);
 #pragma GCC unroll 8
       for (int j = 0; j < NR; ++j) {
         const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + j * K + k);
@@ -142,8 +148,36 @@ struct Bf16Avx512 {
         for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv);
       }
     }
+    alignas(32) float sums[MR][NR];
+#pragma GCC unroll 8
     for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < NR; ++j) e.store(m0 + i, n + j, hsum512(acc[i][j]));
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j) sums[i][j] = hsum512(acc[i][j]);
+    for (int i = 0; i < MR; ++i) store_row(e, m0 + i, n, sums[i], NR);
+  }
+
+  // One row's `nr` (<= 8) dot products -> + bias, + residual, rounded once to bf16 and stored: what
+  // Epilogue::store does element by element, in 8 lanes. The scalar epilogue (a branchy rounding and
+  // a 2-byte store per element) cost as much as the k loop: a 5-row pass over SmolLM2's weights took
+  // 1.7x as long as with this one (AVX512-BF16 EPYC, one core).
+  POSS_AVX512BF16 static void store_row(const Epilogue<T>& e, int64_t m, int64_t n, const float* s, int nr) {
+    const __mmask8 lanes = static_cast<__mmask8>((1u << nr) - 1);
+    __m256 v = _mm256_maskz_loadu_ps(lanes, s);
+    if (e.bias) v = _mm256_add_ps(v, widen8_masked(lanes, e.bias + n));
+    if (e.residual) v = _mm256_add_ps(v, widen8_masked(lanes, e.residual + m * e.N + n));
+    // c10's round-to-nearest-even (c10::detail::round_to_nearest_even), bit for bit: NaN -> 0x7FC0,
+    // else (bits + 0x7FFF + bit 16) >> 16.
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    r = _mm256_mask_mov_epi32(r, _mm256_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm256_set1_epi32(0x7FC0));
+    _mm_mask_storeu_epi16(e.out + m * e.N + n, lanes, _mm256_cvtepi32_epi16(r));
+  }
+
+  // `lanes` of eight bf16 at p, widened exactly to fp32 (the rest zero; masked lanes are never read).
+  POSS_AVX512BF16 static __m256 widen8_masked(__mmask8 lanes, const T* p) {
+    const __m128i h = _mm_maskz_loadu_epi16(lanes, p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
 };
 
