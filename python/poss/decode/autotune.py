@@ -63,7 +63,7 @@ DEPTHS = (1, 2, 3, 4, 5, 6)
 CALIBRATION = ((1, 0), (2, 1), (4, 1), (4, 2), (6, 2), (8, 2), (16, 2), (16, 3), (32, 4), (60, 5), (60, 6))
 CALIBRATION_BEAM = 10
 DEFAULT_S, DEFAULT_BETA = 1.0, 0.5
-CACHE_VERSION = 6  # bump when what is measured or its kernels change: old cache files are then ignored
+CACHE_VERSION = 7  # bump when what is measured or its kernels change: old cache files are then ignored
 
 
 @dataclass
