@@ -160,6 +160,46 @@ def test_auto_tree_is_measured_cached_and_lossless(target, tmp_path, monkeypatch
         assert gen.generate([p], NEW, tree=tree).token_ids[0] == hf_greedy(target, p, NEW)
 
 
+def test_refine_pools_the_best_trees_tau_over_more_prompts(monkeypatch):
+    """Three prompts put 4/1 ahead of 4/2 by a hair; more text on the contenders reverses it."""
+    c = cal({1: 10.0, 2: 10.2, 4: 10.5, 6: 13.0, 8: 16.0, 16: 25.0, 32: 45.0, 60: 80.0},
+            [(2, 1, 1.0), (4, 1, 1.0), (4, 2, 2.0)], [0.6, 0.5, 0.5], s=0.6, beta=0.2)
+    c.rounds = [(2, 1, 133, 100), (4, 1, 147, 100), (4, 2, 152, 100)]
+    c.measured_tau = [(T, d, n / r) for T, d, n, r in c.rounds]
+    assert choose(c) == TreeParams(4, 1)
+    top = [(r["num_nodes"], r["depth"]) for r in score_table(c) if r["depth"]][:autotune.REFINE_TOP]
+    assert (4, 2) in top
+    asked = []
+
+    def fake_time(gen, prompts, new_tokens, configs):
+        asked.append((len(prompts), list(configs)))
+        return {}, {}, {k: ([380, 190] if k == (4, 2) else [300, 200]) for k in configs}
+
+    monkeypatch.setattr(autotune, "time_configs", fake_time)
+
+    class Gen:
+        draft = object()
+
+    r = autotune.refine(Gen(), c, ["p"] * 6, 64)
+    assert asked == [(6, top)]
+    taus = {(T, d): tau for T, d, tau in r.measured_tau}
+    assert taus[(4, 2)] == (152 + 380) / (100 + 190) and taus[(4, 1)] == (147 + 300) / (100 + 200)
+    assert r.verify_ms == c.verify_ms and r.draft_ms == c.draft_ms
+    assert choose(r) == TreeParams(4, 2)
+
+
+def test_refinement_times_only_the_contenders_again(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("POSS_CACHE", str(tmp_path))
+    gen = make_generator(target, draft=True, n=3, ppl=2, aligned=True)
+    gen.draft.config.training = {"val": {"acc": [0.5, 0.4, 0.3]}}
+    c = autotune.calibrate(gen, new_tokens=12, prompts=PROMPTS[:1], more_prompts=PROMPTS[1:3], more_tokens=20)
+    tokens = {(T, d): n for T, d, n, _ in c.rounds}
+    again = sorted(k for k, n in tokens.items() if n != 11)  # 11 tokens a prompt after the first
+    assert len(again) == autotune.REFINE_TOP and all(tokens[k] in (2 * 19, 11 + 2 * 19) for k in again)
+    assert c.key["n_prompts"] == 1 and c.key["n_more_prompts"] == 2
+    assert {(T, d): n / r for T, d, n, r in c.rounds} == {(T, d): tau for T, d, tau in c.measured_tau}
+
+
 def test_auto_tree_without_draft_is_plain_decoding(target):
     gen = make_generator(target, draft=False)
     assert TreeParams.auto(gen) == TreeParams(num_nodes=1, depth=0)

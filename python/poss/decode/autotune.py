@@ -25,7 +25,13 @@ Costs are timed once (:func:`calibrate`) by greedy generation with the generator
 MT-Bench prompts (by default three prompts, 64 tokens each per config, interleaved; lower quartile per
 round: the fitted acceptance needs text, since one prompt's first 32 tokens gave the shipped PosS-2 a
 tau of 1.72 at 60/6, three prompts x 64 tokens 1.93, and the benchmark's 16 prompts x 256 tokens 2.74)
-at T in :data:`SIZES` and d in 1..6, and cached as JSON under ``<poss cache>/autotune/`` keyed by CPU
+at T in :data:`SIZES` and d in 1..6. Then :func:`refine` times the :data:`REFINE_TOP` best speculative
+trees again on :data:`REFINE_PROMPTS` more prompts of :data:`REFINE_TOKENS` tokens and pools their tau:
+an answer's first 64 tokens are accepted less than the rest, and less so the deeper the tree, so short
+runs cannot tell close trees apart. On the last 9 MT-Bench prompts the shipped PosS-2 had tau 1.48 at
+4/1 and 1.56 at 4/2 over 64 tokens, 1.62 and 1.78 over 256; over 64 tokens `auto` picked 4/1, which the
+benchmark's 16 prompts x 256 tokens then ran 5 % slower than 4/2. All of it is cached as JSON under
+``<poss cache>/autotune/`` keyed by CPU
 model, threads, dtype, target and draft fingerprints. Sizes 2 and 6 are there because a CPU's cost is
 not linear in T: the AVX2 GEMM takes up to 6 rows in one pass over the weights, so a 6-node forward
 cost 1.2x a 4-node one and a 7-node one 1.7x (bf16, 2 threads).
@@ -62,8 +68,9 @@ DEPTHS = (1, 2, 3, 4, 5, 6)
 # (T - 1 = 3, 5, 7 and the full 10) and the catch-ups at the full width.
 CALIBRATION = ((1, 0), (2, 1), (4, 1), (4, 2), (6, 2), (8, 2), (16, 2), (16, 3), (32, 4), (60, 5), (60, 6))
 CALIBRATION_BEAM = 10
+REFINE_TOP, REFINE_PROMPTS, REFINE_TOKENS = 3, 4, 256  # trees timed again, on how many more prompts, how long
 DEFAULT_S, DEFAULT_BETA = 1.0, 0.5
-CACHE_VERSION = 7  # bump when what is measured or its kernels change: old cache files are then ignored
+CACHE_VERSION = 8  # bump when what is measured or its kernels change: old cache files are then ignored
 
 
 @dataclass
@@ -76,6 +83,7 @@ class Calibration:
     s: float = DEFAULT_S
     beta: float = DEFAULT_BETA
     measured_tau: List[Tuple[int, int, float]] = field(default_factory=list)  # (T, d, tau)
+    rounds: List[Tuple[int, int, int, int]] = field(default_factory=list)  # (T, d, tokens, rounds) behind tau
     key: Dict = field(default_factory=dict)
 
     def to_json(self) -> Dict:
@@ -87,6 +95,7 @@ class Calibration:
         d["verify_ms"] = {int(k): v for k, v in d["verify_ms"].items()}
         d["draft_ms"] = [tuple(x) for x in d["draft_ms"]]
         d["measured_tau"] = [tuple(x) for x in d.get("measured_tau", [])]
+        d["rounds"] = [tuple(x) for x in d.get("rounds", [])]
         return cls(**d)
 
 
@@ -303,15 +312,12 @@ def _low(xs: Sequence[float]) -> float:
     return xs[len(xs) // 4]
 
 
-def measure(gen, prompts: Sequence, new_tokens: int = 32, configs=CALIBRATION) -> Calibration:
-    """Time every ``(T, d)`` of ``configs`` with greedy generation (batch 1) and fit the acceptance.
-
-    Configs are interleaved per prompt (a load spike on a shared machine hits all of them alike), and
-    each cost is the lower quartile of its per-round times.
-    """
+def time_configs(gen, prompts: Sequence, new_tokens: int, configs) -> Tuple[Dict, Dict, Dict]:
+    """Greedy generation (batch 1) of every ``(T, d)`` of ``configs`` on every prompt, interleaved per
+    prompt (a load spike on a shared machine hits all of them alike). Returns the per-round seconds of
+    everything but drafting by T, of drafting by (T, d), and ``(tokens, rounds)`` by (T, d)."""
     from tqdm import tqdm
 
-    configs = [(T, d) for T, d in configs if gen.draft is not None or not d]
     verify: Dict[int, List[float]] = {}
     draft: Dict[Tuple[int, int], List[float]] = {}
     counts = {c: [0, 0] for c in configs}  # tokens after the first, rounds
@@ -337,16 +343,51 @@ def measure(gen, prompts: Sequence, new_tokens: int = 32, configs=CALIBRATION) -
     finally:
         bar.close()
         gen.end_ids, gen.profile = saved_end, saved_profile
-    taus = [(T, d, n / max(r, 1)) for (T, d), (n, r) in counts.items() if d]
+    return verify, draft, counts
+
+
+def measure(gen, prompts: Sequence, new_tokens: int = 32, configs=CALIBRATION) -> Calibration:
+    """Time every ``(T, d)`` of ``configs`` (:func:`time_configs`) and fit the acceptance; each cost is
+    the lower quartile of its per-round times."""
+    configs = [(T, d) for T, d in configs if gen.draft is not None or not d]
+    verify, draft, counts = time_configs(gen, prompts, new_tokens, configs)
+    rounds = [(T, d, n, r) for (T, d), (n, r) in counts.items() if d]
+    taus = [(T, d, n / max(r, 1)) for T, d, n, r in rounds]
     acc = draft_accuracy(gen.draft) if gen.draft is not None else [0.0]
     s, beta = fit_acceptance(acc, taus, CALIBRATION_BEAM)
     return Calibration({k: 1e3 * _low(v) for k, v in verify.items()},
-                       [(T, d, 1e3 * _low(v)) for (T, d), v in draft.items()], acc, s, beta, taus)
+                       [(T, d, 1e3 * _low(v)) for (T, d), v in draft.items()], acc, s, beta, taus, rounds)
+
+
+def refine(gen, cal: Calibration, prompts: Sequence, new_tokens: int = REFINE_TOKENS,
+           top: int = REFINE_TOP) -> Calibration:
+    """``cal`` with the tau of its ``top`` best speculative trees (by :func:`score_table`) pooled over
+    ``prompts`` too: tokens and rounds add up, and the acceptance model is fitted again. The costs stay
+    the first stage's (they vary less from prompt to prompt than tau does)."""
+    contenders = [(r["num_nodes"], r["depth"]) for r in score_table(cal) if r["depth"]][:top]
+    if gen.draft is None or not contenders or not prompts:
+        return cal
+    _, _, counts = time_configs(gen, prompts, new_tokens, contenders)
+    pooled = {(T, d): [n, r] for T, d, n, r in cal.rounds}
+    for c, (n, r) in counts.items():
+        pooled.setdefault(c, [0, 0])
+        pooled[c][0] += n
+        pooled[c][1] += r
+    rounds = [(T, d, n, r) for (T, d), (n, r) in pooled.items()]
+    taus = [(T, d, n / max(r, 1)) for T, d, n, r in rounds]
+    s, beta = fit_acceptance(cal.acc, taus, CALIBRATION_BEAM)
+    return Calibration(cal.verify_ms, cal.draft_ms, cal.acc, s, beta, taus, rounds, cal.key)
 
 
 def calibrate(gen, n_prompts: int = 3, new_tokens: int = 64, refresh: bool = False, cache: bool = True,
-              prompts: Optional[Sequence] = None) -> Calibration:
-    """The cached calibration of ``gen`` (measured on first use: tens of seconds on a small CPU model)."""
+              prompts: Optional[Sequence] = None, more_prompts: Optional[Sequence] = None,
+              n_more: int = REFINE_PROMPTS, more_tokens: int = REFINE_TOKENS) -> Calibration:
+    """The cached calibration of ``gen`` (measured on first use: tens of seconds on a small CPU model).
+
+    ``prompts`` (token ids) are timed at every calibration tree for ``new_tokens`` tokens,
+    ``more_prompts`` only at the best few, for ``more_tokens`` (:func:`refine`); by default the last
+    ``n_prompts`` MT-Bench first turns and the ``n_more`` before them. Passing ``prompts`` alone skips
+    the refinement."""
     key = cache_key(gen)
     path = cache_path(key)
     if cache and not refresh and path.exists():
@@ -354,15 +395,19 @@ def calibrate(gen, n_prompts: int = 3, new_tokens: int = 64, refresh: bool = Fal
             return Calibration.from_json(json.loads(path.read_text()))
         except (ValueError, KeyError, TypeError):
             pass
-    if prompts is None:
-        prompts = [gen.encode(t) for t in calibration_prompts(n_prompts)] if gen.tokenizer is not None else None
+    if prompts is None and gen.tokenizer is not None:
+        texts = [gen.encode(t) for t in calibration_prompts(n_prompts + n_more)]
+        prompts, more_prompts = texts[len(texts) - n_prompts:], texts[:len(texts) - n_prompts]
     if not prompts:
         raise ValueError("calibration needs prompts (this generator has no tokenizer: pass token ids)")
     load = warn_if_busy("timing draft tree sizes")
     t = time.perf_counter()
     cal = measure(gen, prompts, new_tokens)
+    if more_prompts:
+        cal = refine(gen, cal, more_prompts, more_tokens)
     cal.key = {**key, "seconds": round(time.perf_counter() - t, 1), "n_prompts": len(prompts),
-               "new_tokens": new_tokens, "loadavg": load}
+               "n_more_prompts": len(more_prompts or []), "new_tokens": new_tokens,
+               "more_tokens": more_tokens if more_prompts else 0, "loadavg": load}
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(cal.to_json(), indent=1))
