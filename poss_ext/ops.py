@@ -245,7 +245,8 @@ def cpu_linear_kernel(dtype: torch.dtype = torch.bfloat16) -> str:
     AVX512-BF16), ``"avx2-bf16"`` (bf16 on a CPU with AVX2 + FMA but not AVX512-BF16: the weights
     widened to fp32 as they stream) or ``"avx2-fma"`` (fp32 on AVX2 + FMA), our row-invariant
     kernels; else ``"aten"``
-    (the vendor GEMM; also forced by ``POSS_LINEAR=aten`` when poss_ext was loaded)."""
+    (the vendor GEMM; also forced by ``POSS_LINEAR=aten`` when poss_ext was loaded). ``POSS_LINEAR=avx2``
+    runs the AVX2 kernels on an AVX512-BF16 CPU too (to test and time them there)."""
     from poss_ext import _C
 
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):

@@ -5,6 +5,10 @@ Row invariance is what makes bf16 speculative decoding bit-identical to bf16 dec
 logits must not depend on how many tree nodes shared the GEMM.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -212,3 +216,17 @@ def test_bf16_output_is_rounded_to_nearest_even_once(M):
     x[0, 0] = float("nan")
     out = poss_ext.ops.linear(x.to(bf), w.to(bf), b.to(bf), r.to(bf))
     assert out[0].float().isnan().all() and not out[1:].float().isnan().any()
+
+
+@pytest.mark.skipif(poss_ext.ops.cpu_linear_kernel(torch.bfloat16) != "avx512-bf16",
+                    reason="only an AVX512-BF16 CPU has a bf16 kernel to set aside")
+def test_this_file_passes_on_the_avx2_kernels_too():
+    """An AVX512-BF16 CPU never runs the AVX2 bf16 kernel (the one AVX2-only CPUs decode with), so
+    POSS_LINEAR=avx2 runs every other test of this file again with it."""
+    env = {**os.environ, "POSS_LINEAR": "avx2"}
+    probe = "import torch, poss_ext; print(poss_ext.ops.cpu_linear_kernel(torch.bfloat16))"
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "avx2-bf16"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                          "not avx2_kernels_too"], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]

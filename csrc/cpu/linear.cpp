@@ -195,6 +195,8 @@ struct F32Weights {
   static constexpr int cols(int rows) { return rows <= 2 ? 4 : 2; }
   POSS_AVX2FMA static __m256 load(const T* p) { return _mm256_loadu_ps(p); }
   POSS_AVX2FMA static __m256 load_tail(const T* p, int64_t, __m256i mask) { return _mm256_maskload_ps(p, mask); }
+  // The first `lanes` (mask) of 8 results, stored as they are.
+  POSS_AVX2FMA static void store(T* p, int64_t, __m256i mask, __m256 v) { _mm256_maskstore_ps(p, mask, v); }
 };
 
 // bf16 weights are widened to fp32 as they stream (x was widened once per call).
@@ -219,6 +221,20 @@ struct Bf16Weights {
     alignas(16) uint16_t buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     std::memcpy(buf, p, static_cast<size_t>(n) * sizeof(uint16_t));
     return widen8(buf);
+  }
+  // The first n of 8 results, each rounded to bf16 as c10 does (c10::detail::round_to_nearest_even,
+  // bit for bit: NaN -> 0x7FC0, else (bits + 0x7FFF + bit 16) >> 16).
+  POSS_AVX2FMA static void store(T* p, int64_t n, __m256i, __m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    // 8 x 32 -> 8 x 16 bits (every value fits: no saturation), in lane order
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    alignas(16) uint16_t buf[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(buf), packed);
+    std::memcpy(p, buf, static_cast<size_t>(n) * sizeof(uint16_t));
   }
 };
 
@@ -267,8 +283,24 @@ struct Avx2Fma {
         for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
       }
     }
+    alignas(32) float sums[MR][8] = {};  // lanes past NR: zeros the stores leave out
+#pragma GCC unroll 6
     for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < NR; ++j) e.store(m0 + i, n + j, hsum256(acc[i][j]));
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) sums[i][j] = hsum256(acc[i][j]);
+    for (int i = 0; i < MR; ++i) store_row(e, m0 + i, n, sums[i], NR);
+  }
+
+  // One row's `nr` (<= 8) dot products -> + bias, + residual, stored (bf16: rounded once), in 8 lanes:
+  // what Epilogue::store does element by element (as the AVX512-BF16 kernel's store_row).
+  POSS_AVX2FMA static void store_row(const Epilogue<T>& e, int64_t m, int64_t n, const float* s, int nr) {
+    alignas(32) int32_t lanes[8];
+    for (int l = 0; l < 8; ++l) lanes[l] = l < nr ? -1 : 0;
+    const __m256i mask = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
+    __m256 v = _mm256_load_ps(s);
+    if (e.bias) v = _mm256_add_ps(v, Weights::load_tail(e.bias + n, nr, mask));
+    if (e.residual) v = _mm256_add_ps(v, Weights::load_tail(e.residual + m * e.N + n, nr, mask));
+    Weights::store(e.out + m * e.N + n, nr, mask, v);
   }
 };
 
@@ -378,23 +410,26 @@ bool cpu_supports(const char*) { return false; }
 
 #endif
 
-// POSS_LINEAR=aten (read once) forces the vendor GEMM, for comparisons.
+// POSS_LINEAR (read once): "aten" forces the vendor GEMM, for comparisons; "avx2" the AVX2 kernels
+// where AVX512-BF16 would run, so that they are tested and timed on such CPUs too.
+bool forced(const char* name) {
+  static const char* env = std::getenv("POSS_LINEAR");
+  return env != nullptr && std::strcmp(env, name) == 0;
+}
+
 bool forced_aten() {
-  static const bool forced = [] {
-    const char* env = std::getenv("POSS_LINEAR");
-    return env != nullptr && std::strcmp(env, "aten") == 0;
-  }();
-  return forced;
+  static const bool aten = forced("aten");
+  return aten;
 }
 
 bool use_bf16_kernel() {
-  static const bool use = !forced_aten() && cpu_supports("avx512-bf16");
+  static const bool use = !forced_aten() && !forced("avx2") && cpu_supports("avx512-bf16");
   return use;
 }
 
-// bf16 on a CPU with AVX2 + FMA but not AVX512-BF16.
+// bf16 on a CPU with AVX2 + FMA but not AVX512-BF16 (or with POSS_LINEAR=avx2).
 bool use_bf16_avx2_kernel() {
-  static const bool use = !forced_aten() && !cpu_supports("avx512-bf16") && cpu_supports("f32");
+  static const bool use = !forced_aten() && !use_bf16_kernel() && cpu_supports("f32");
   return use;
 }
 

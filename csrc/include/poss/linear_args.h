@@ -57,7 +57,8 @@ inline at::Tensor linear_aten(const at::Tensor& x, const at::Tensor& weight, con
 
 // The kernel poss::linear uses for `dtype` on this CPU: "avx512-bf16" (bf16 on AVX512-BF16),
 // "avx2-fma" (fp32 on AVX2 + FMA), both row-invariant (csrc/cpu/linear.cpp), or "aten" (the vendor
-// GEMM). POSS_LINEAR=aten, read once, forces the vendor GEMM.
+// GEMM). POSS_LINEAR (read once): "aten" forces the vendor GEMM, "avx2" the AVX2 kernels on an
+// AVX512-BF16 CPU.
 const char* cpu_linear_kernel(at::ScalarType dtype);
 
 }  // namespace poss
