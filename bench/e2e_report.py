@@ -68,7 +68,7 @@ def chart(res: Dict, png) -> None:
     ax.barh(names, vals, color=[colors.get(r["kind"], "gray") for r in rows][::-1])
     for i, v in enumerate(vals):
         ax.text(v, i, f" {v:.1f}", va="center", fontsize=8)
-    ax.set_xlabel("tokens/s (batch 1, greedy)")
+    ax.set_xlabel("tokens/s (greedy; batch 1 unless the row names a batch)")
     # The machine header is long: wrapped, it stays inside the figure beside the long row labels.
     ax.set_title("\n".join(textwrap.wrap(res["header"], 70)), fontsize=8)
     fig.tight_layout()

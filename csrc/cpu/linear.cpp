@@ -148,6 +148,7 @@ struct Bf16Avx512 {
         for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv);
       }
     }
+    static_assert(NR <= 8, "store_row writes at most 8 results of a row");
     alignas(32) float sums[MR][NR];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i)
@@ -283,6 +284,7 @@ struct Avx2Fma {
         for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
       }
     }
+    static_assert(NR <= 8, "store_row writes at most 8 results of a row");
     alignas(32) float sums[MR][8] = {};  // lanes past NR: zeros the stores leave out
 #pragma GCC unroll 6
     for (int i = 0; i < MR; ++i)
