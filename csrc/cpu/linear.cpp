@@ -102,7 +102,9 @@ POSS_AVX512BF16 inline float hsum512(__m512 v) {
 // Tried and not kept (AVX512-BF16 EPYC, one core, 2026-12-04): the horizontal sums of 16 accumulators
 // at once, by the same pairwise tree (bit for bit; 15 adds per 16 sums instead of 64). In eight
 // alternated runs of bench/bench_weight_stream.py's shapes it streamed no faster at any M from 1 to
-// 32. With a weight that stays in L2 this kernel does 27 / 61 / 63 / 68 GMAC/s at M = 1 / 4 / 6 / 12.
+// 32. With a weight that stays in L2 this kernel did 27 / 61 / 63 / 68 GMAC/s at M = 1 / 4 / 6 / 12 on a
+// slow day of this shared machine, and 41 / 120 / 149 / 157 on a fast one (N 1536, K 576); VDPBF16PS alone
+// peaks at 262 GMAC/s there (Zen 5: two a cycle), so streamed from memory the kernel is not bound by it.
 // What did pay, on the same CPU: the rounding and storing of the results in vector lanes
 // (store_row) instead of element by element, and prefetching into L2 rather than L1. Streamed from
 // memory, SmolLM2-sized weights went from 9-10 to 16-20 GB/s at 4-6 rows (1-3 rows: unchanged, 15-19
