@@ -112,7 +112,10 @@ def commit(runner, batch: BatchState, tree: Tree, nodes: Tensor, acc: Tensor, nx
     if batch.feats is not None:  # the accepted nodes' target features feed the next round's draft
         H = features.shape[-1]
         got = features.gather(1, path.unsqueeze(-1).expand(B, A, H)).to(batch.feats.dtype)
-        batch.feats.scatter_(1, (L + i).unsqueeze(-1).expand(B, A, H), got)
+        # Indexed assignment, not scatter_ over an expanded index: on the CPU that copied the whole
+        # [B, capacity, H] buffer twice, 1.4 ms a round at batch 16 (430 slots) against 22 us.
+        rows = torch.arange(B, device=nodes.device).unsqueeze(1)
+        batch.feats[rows, L + i] = got
     child = torch.cat([path[:, 1:], torch.zeros_like(path[:, :1])], 1)
     new = torch.where(i < a, tree.tokens.gather(1, child), nxt.unsqueeze(1).expand(B, A))
     # Slots past acc + 1 get garbage that the next round overwrites before reading.
