@@ -56,11 +56,12 @@ def greedy_walk(tree: Tree, row_logits: Callable[[Tensor, Tensor], Tensor]) -> T
     req = torch.arange(B, device=dev)
     cur = torch.zeros(B, dtype=torch.int64, device=dev)
     while req.numel():
-        logits = row_logits(req, cur)
-        if logits.isnan().any():
-            r = int(logits.isnan().any(1).nonzero()[0, 0])
+        # In fp32: torch's bf16 argmax and isnan run at a fifth of the speed on the CPU (260 against 42
+        # us for one 49k-token row). max returns the first maximal index, and NaN where a row has one.
+        top, best = row_logits(req, cur).float().max(1)
+        if top.isnan().any():
+            r = int(top.isnan().nonzero()[0, 0])
             raise ValueError(f"tree_verify: logits[{int(req[r])}, {int(cur[r])}] contains NaN")
-        best = logits.argmax(1)  # torch returns the first maximal index
         match = ((tree.parents[req] == cur.unsqueeze(1)) & (tree.tokens[req] == best.unsqueeze(1))
                  & (node_ids > cur.unsqueeze(1)))
         found = match.any(1)
