@@ -99,6 +99,17 @@ POSS_AVX512BF16 inline float hsum512(__m512 v) {
   return _mm512_cvtss_f32(v);
 }
 
+// Eight fp32 lanes -> their bf16 bits in the low 16 bits of each 32-bit lane, rounded as c10 does
+// (c10::detail::round_to_nearest_even), bit for bit: NaN -> 0x7FC0, else (bits + 0x7FFF + bit 16) >> 16.
+// AVX2 only, so that both kernels' epilogues inline it.
+__attribute__((target("avx2"), always_inline)) inline __m256i bf16_bits8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+}
+
 // Tried and not kept (AVX512-BF16 EPYC, one core, 2026-12-04): the horizontal sums of 16 accumulators
 // at once, by the same pairwise tree (bit for bit; 15 adds per 16 sums instead of 64). In eight
 // alternated runs of bench/bench_weight_stream.py's shapes it streamed no faster at any M from 1 to
@@ -168,13 +179,7 @@ struct Bf16Avx512 {
     __m256 v = _mm256_maskz_loadu_ps(lanes, s);
     if (e.bias) v = _mm256_add_ps(v, widen8_masked(lanes, e.bias + n));
     if (e.residual) v = _mm256_add_ps(v, widen8_masked(lanes, e.residual + m * e.N + n));
-    // c10's round-to-nearest-even (c10::detail::round_to_nearest_even), bit for bit: NaN -> 0x7FC0,
-    // else (bits + 0x7FFF + bit 16) >> 16.
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-    r = _mm256_mask_mov_epi32(r, _mm256_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm256_set1_epi32(0x7FC0));
-    _mm_mask_storeu_epi16(e.out + m * e.N + n, lanes, _mm256_cvtepi32_epi16(r));
+    _mm_mask_storeu_epi16(e.out + m * e.N + n, lanes, _mm256_cvtepi32_epi16(bf16_bits8(v)));
   }
 
   // `lanes` of eight bf16 at p, widened exactly to fp32 (the rest zero; masked lanes are never read).
@@ -225,14 +230,9 @@ struct Bf16Weights {
     std::memcpy(buf, p, static_cast<size_t>(n) * sizeof(uint16_t));
     return widen8(buf);
   }
-  // The first n of 8 results, each rounded to bf16 as c10 does (c10::detail::round_to_nearest_even,
-  // bit for bit: NaN -> 0x7FC0, else (bits + 0x7FFF + bit 16) >> 16).
+  // The first n of 8 results, each rounded to bf16 (bf16_bits8).
   POSS_AVX2FMA static void store(T* p, int64_t n, __m256i, __m256 v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    const __m256i r = bf16_bits8(v);
     // 8 x 32 -> 8 x 16 bits (every value fits: no saturation), in lane order
     const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
     alignas(16) uint16_t buf[8];
