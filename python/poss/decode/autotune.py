@@ -346,15 +346,21 @@ def time_configs(gen, prompts: Sequence, new_tokens: int, configs) -> Tuple[Dict
     return verify, draft, counts
 
 
+def _fit(acc: Sequence[float], rounds: Sequence[Tuple[int, int, int, int]]):
+    """The measured tau of each ``(T, d, tokens, rounds)`` and the acceptance model fitted to them:
+    ``(taus, s, beta)``."""
+    taus = [(T, d, n / max(r, 1)) for T, d, n, r in rounds]
+    return (taus, *fit_acceptance(acc, taus, CALIBRATION_BEAM))
+
+
 def measure(gen, prompts: Sequence, new_tokens: int = 32, configs=CALIBRATION) -> Calibration:
     """Time every ``(T, d)`` of ``configs`` (:func:`time_configs`) and fit the acceptance; each cost is
     the lower quartile of its per-round times."""
     configs = [(T, d) for T, d in configs if gen.draft is not None or not d]
     verify, draft, counts = time_configs(gen, prompts, new_tokens, configs)
     rounds = [(T, d, n, r) for (T, d), (n, r) in counts.items() if d]
-    taus = [(T, d, n / max(r, 1)) for T, d, n, r in rounds]
     acc = draft_accuracy(gen.draft) if gen.draft is not None else [0.0]
-    s, beta = fit_acceptance(acc, taus, CALIBRATION_BEAM)
+    taus, s, beta = _fit(acc, rounds)
     return Calibration({k: 1e3 * _low(v) for k, v in verify.items()},
                        [(T, d, 1e3 * _low(v)) for (T, d), v in draft.items()], acc, s, beta, taus, rounds)
 
@@ -374,8 +380,7 @@ def refine(gen, cal: Calibration, prompts: Sequence, new_tokens: int = REFINE_TO
         pooled[c][0] += n
         pooled[c][1] += r
     rounds = [(T, d, n, r) for (T, d), (n, r) in pooled.items()]
-    taus = [(T, d, n / max(r, 1)) for T, d, n, r in rounds]
-    s, beta = fit_acceptance(cal.acc, taus, CALIBRATION_BEAM)
+    taus, s, beta = _fit(cal.acc, rounds)
     return Calibration(cal.verify_ms, cal.draft_ms, cal.acc, s, beta, taus, rounds, cal.key)
 
 
