@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One prepared run for a lent GPU machine (no network there): build the CUDA kernels in place against
-# the machine's own torch, run the CUDA tests, time the CUDA kernels, and print one table.
+# the machine's own torch, run the CUDA tests (the ops, then the whole loop: greedy against HF and
+# exact sampling), the end-to-end loop in Llama-3-8B shapes, the kernel benchmarks, the CUDA op
+# tests under compute-sanitizer, and the loop again through torch.compile. Stages run in that order, most important first; each has its own
+# time limit, so a hang or a failure in one still leaves the others' results.
 #   bash scripts/gpu_check.sh            (writes logs and JSON under ${OUT:-out}/)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -8,30 +11,50 @@ out=${OUT:-out}
 mkdir -p "$out"
 export POSS_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" PYTHONUNBUFFERED=1
 export PYTHONPATH=.:python
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+start=$SECONDS
+stamp() { echo "== [$((SECONDS - start)) s] $*"; }
+# The files that hold tests marked `cuda` (collecting the whole suite would import the serving stack,
+# whose packages a bare GPU image may lack).
+cuda_tests="tests/test_linear.py tests/test_tree_attention.py tests/test_layer_ops.py tests/test_kv_compact.py
+  tests/test_build_tree.py tests/test_tree_verify.py tests/test_triton_attention.py tests/test_loop_devices.py"
+per_test=""
+python3 -c "import pytest_timeout" 2>/dev/null && per_test="--timeout=120"
 
-echo "== build (in place)"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader || true
+python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(), 'triton', triton.__version__)"
+
+stamp "build (in place, sm_${TORCH_CUDA_ARCH_LIST/./})"
 python3 setup.py build_ext --inplace >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
 python3 -c "import poss_ext; print(poss_ext.build_info())"
 
-echo "== CUDA tests"
-python3 -m pytest tests -q -p no:cacheprovider -m cuda -x 2>&1 | tee "$out/tests.log" | tail -15
+stamp "CUDA tests: ops, then the loop"
+# shellcheck disable=SC2086
+timeout 200 python3 -m pytest $cuda_tests -q -p no:cacheprovider -m cuda -rfE $per_test >"$out/tests.log" 2>&1
+tail -25 "$out/tests.log"
 
-echo "== CUDA benchmarks"
-POSS_BENCH_DEVICE=cuda python3 -m pytest bench/bench_tree_verify.py -q -p no:cacheprovider --benchmark-only \
-  -k "not reference" --benchmark-json="$out/tree_verify_cuda.json" >"$out/bench.log" 2>&1 || tail -30 "$out/bench.log"
-python3 bench/report.py "$out/tree_verify_cuda.json"
+stamp "end-to-end loop, synthetic Llama-3-8B shapes (random weights, bf16)"
+timeout 150 python3 scripts/gpu_e2e.py --json "$out/e2e_llama3_8b.json" 2>&1 | tee "$out/e2e.log" | grep -v "^Loading"
 
-echo "== Triton tree_attention vs the CUDA kernel (tests, then verify-shape timings)"
-if python3 -c "import triton" 2>/dev/null; then
-  python3 -m pytest tests/test_triton_attention.py -q -p no:cacheprovider -m cuda 2>&1 | tee "$out/triton_tests.log" | tail -5
-  python3 -m pytest bench/bench_triton_attention.py -q -p no:cacheprovider --benchmark-only \
-    --benchmark-json="$out/triton_attention_cuda.json" >"$out/triton_bench.log" 2>&1 || tail -30 "$out/triton_bench.log"
-  python3 bench/report.py "$out/triton_attention_cuda.json"
-else
-  echo "triton is not installed: skipped"
+stamp "CUDA benchmarks: tree_verify"
+POSS_BENCH_DEVICE=cuda timeout 100 python3 -m pytest bench/bench_tree_verify.py -q -p no:cacheprovider --benchmark-only \
+  -k "not reference" --benchmark-max-time=0.2 --benchmark-min-rounds=10 \
+  --benchmark-json="$out/tree_verify_cuda.json" >"$out/bench.log" 2>&1 || tail -30 "$out/bench.log"
+[ -f "$out/tree_verify_cuda.json" ] && python3 bench/report.py "$out/tree_verify_cuda.json"
+
+stamp "Triton tree_attention against the CUDA kernel, verify shapes"
+timeout 60 python3 -m pytest bench/bench_triton_attention.py -q -p no:cacheprovider --benchmark-only \
+  --benchmark-max-time=0.2 --benchmark-min-rounds=10 \
+  --benchmark-json="$out/triton_attention_cuda.json" >"$out/triton_bench.log" 2>&1 || tail -30 "$out/triton_bench.log"
+[ -f "$out/triton_attention_cuda.json" ] && python3 bench/report.py "$out/triton_attention_cuda.json"
+
+if command -v compute-sanitizer >/dev/null; then
+  stamp "compute-sanitizer memcheck: the CUDA op tests of tree_verify, tree_attention and kv_compact"
+  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest tests/test_tree_verify.py \
+    tests/test_tree_attention.py tests/test_kv_compact.py -q -p no:cacheprovider -m cuda -x >"$out/memcheck.log" 2>&1
+  echo "memcheck exit $? (9: errors found; 124: time limit)"
+  grep -E "ERROR SUMMARY|Invalid|passed|failed" "$out/memcheck.log" | tail -8
 fi
-
-echo "== end-to-end loop, synthetic Llama-3-8B shapes (random weights, bf16)"
-timeout 420 python3 scripts/gpu_e2e.py --json "$out/e2e_llama3_8b.json" 2>&1 | tee "$out/e2e.log" | grep -v "^Loading"
+stamp "end-to-end loop again, steps through torch.compile (mode reduce-overhead: CUDA graphs)"
+timeout 180 python3 scripts/gpu_e2e.py --compile --json "$out/e2e_llama3_8b_compiled.json" >"$out/e2e_compiled.log" 2>&1
+grep -E "^(decode step|60/6 round|ratios|total|Traceback|[A-Za-z]*Error)" "$out/e2e_compiled.log" | tail -8
+stamp "done"

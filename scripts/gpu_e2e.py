@@ -102,17 +102,22 @@ def per_op(runner, dev, ctx, T) -> dict:
     return out
 
 
-def loop(runner, draft, dev, ctx, new) -> dict:
-    """Generator rounds: plain decoding, then the draft at 60 nodes / depth 6 (ms per round by phase)."""
+def loop(runner, draft, dev, ctx, new, compile=False) -> dict:
+    """Generator rounds: plain decoding, then the draft at 60 nodes / depth 6 (ms per round by phase).
+    ``compile``: the target forward and draft step through ``torch.compile`` (CUDA graphs on a GPU)."""
     from poss.decode.generator import Generator
+    from poss.decode.loader import compile_steps
 
-    gen = Generator(runner, draft=None, end_ids=set())
+    gen = Generator(runner, draft=draft, end_ids=set())
+    if compile:
+        compile_steps(gen)
     ids = torch.randint(10, runner.lm_head.shape[0] - 10, (ctx,), generator=torch.Generator().manual_seed(0))
     prompt = ids.tolist()
     res = {}
     for name, d, kw in (("decode step", None, dict(depth=0)), ("60/6 round", draft, dict(num_nodes=60, depth=6))):
         gen.draft = d
-        gen.generate([prompt], 4, **kw)  # warm-up
+        for _ in range(3 if compile else 1):  # warm-up (compiling: the recompiles and graph captures too)
+            gen.generate([prompt], 4, **kw)
         gen.profile = {}
         t = time.perf_counter()
         r = gen.generate([prompt], new, **kw)
@@ -132,6 +137,7 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--compile", action="store_true", help="torch.compile the steps (mode reduce-overhead on CUDA)")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     from poss.hardware import resolve_dtype
@@ -145,7 +151,7 @@ def main(argv=None):
     wb = nbytes(runner.lm_head, runner.final_norm_w) + sum(nbytes(*vars(p).values()) for p in runner.layers)
     print(f"{name}, {str(dtype).replace('torch.', '')}, {'tiny' if args.tiny else 'Llama-3-8B'} shapes "
           f"({wb / 1e9:.2f} GB of weights per step), context {args.context}; measured read bandwidth {peak:.0f} GB/s "
-          f"(built in {time.perf_counter() - t0:.0f} s)")
+          f"(built in {time.perf_counter() - t0:.0f} s){'; steps torch.compiled' if args.compile else ''}")
     out = {"device": name, "dtype": str(dtype), "weight_bytes": wb, "read_bandwidth_gbs": peak, "ops": {}}
     print("\n| op | T | ms | GB/s | % of read bandwidth |\n|---|---|---|---|---|")
     for T in (1, 60):
@@ -155,8 +161,8 @@ def main(argv=None):
             g = f"{r['gbs']:.0f} | {100 * r['gbs'] / peak:.0f}%" if r["gbs"] else " | "
             print(f"| {op} | {T} | {r['ms']:.3f} | {g} |")
     draft = random_draft(runner, dev, dtype)
-    res = loop(runner, draft, dev, args.context, args.new)
-    out["loop"] = res
+    res = loop(runner, draft, dev, args.context, args.new, compile=args.compile)
+    out["loop"], out["compiled"] = res, args.compile
     step, rnd = res["decode step"]["ms"], res["60/6 round"]["ms"]
     ar_gbs = wb / (step["round"] / 1e3) / 1e9
     print(f"\ndecode step {step['round']:.2f} ms ({1e3 / step['round']:.1f} tok/s): {ar_gbs:.0f} GB/s of weights, "
