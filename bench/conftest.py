@@ -17,7 +17,8 @@ def bench_threads():
 
 
 def pytest_configure(config):
-    """``--benchmark-json out/x.json`` writes into a folder that a fresh clone does not have: create it."""
+    """``--benchmark-json out/x.json`` writes into a folder that a fresh clone does not have: create it.
+    (pytest-benchmark before 5 opens the file itself while parsing the options, and hands over the file.)"""
     path = config.getoption("benchmark_json", None)
-    if path:
+    if isinstance(path, (str, os.PathLike)):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

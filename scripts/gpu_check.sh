@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One prepared run for a lent GPU machine (no network there): build the CUDA kernels in place against
 # the machine's own torch, run the CUDA tests (the ops, then the whole loop: greedy against HF and
-# exact sampling), the end-to-end loop in Llama-3-8B shapes, the kernel benchmarks, the CUDA op
-# tests under compute-sanitizer, and the loop again through torch.compile. Stages run in that order, most important first; each has its own
-# time limit, so a hang or a failure in one still leaves the others' results.
+# exact sampling), the end-to-end loop in Llama-3-8B shapes, the kernel benchmarks, the loop again through
+# torch.compile, and the CUDA op tests under compute-sanitizer. Stages run in that order, most
+# important first, each under its own time limit, so a hang or a failure in one still leaves the
+# others' results. At most 8 files land in $out: build.log, tests.log, e2e.log, bench.log, 4 JSON.
 #   bash scripts/gpu_check.sh            (writes logs and JSON under ${OUT:-out}/)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,10 +28,17 @@ stamp "build (in place, sm_${TORCH_CUDA_ARCH_LIST/./})"
 python3 setup.py build_ext --inplace >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
 python3 -c "import poss_ext; print(poss_ext.build_info())"
 
-stamp "CUDA tests: ops, then the loop"
-# shellcheck disable=SC2086
-timeout 200 python3 -m pytest $cuda_tests -q -p no:cacheprovider -m cuda -rfE $per_test >"$out/tests.log" 2>&1
-tail -25 "$out/tests.log"
+stamp "CUDA tests: ops, then the loop (one process per file: a crash in one leaves the others' results)"
+: >"$out/tests.log"
+for f in $cuda_tests; do
+  # shellcheck disable=SC2086
+  timeout 150 python3 -m pytest "$f" -q -p no:cacheprovider -m cuda -rfE $per_test >"$out/one.log" 2>&1
+  rc=$?
+  { echo "=== $f (exit $rc)"; cat "$out/one.log"; } >>"$out/tests.log"
+  echo "$f: exit $rc, $(grep -E '^[0-9]+ (passed|failed)|passed|failed|Fatal Python error' "$out/one.log" | tail -1)"
+  grep -E "^(FAILED|ERROR) " "$out/one.log" | head -10
+done
+rm -f "$out/one.log"
 
 stamp "end-to-end loop, synthetic Llama-3-8B shapes (random weights, bf16)"
 timeout 150 python3 scripts/gpu_e2e.py --json "$out/e2e_llama3_8b.json" 2>&1 | tee "$out/e2e.log" | grep -v "^Loading"
@@ -44,17 +52,19 @@ POSS_BENCH_DEVICE=cuda timeout 100 python3 -m pytest bench/bench_tree_verify.py 
 stamp "Triton tree_attention against the CUDA kernel, verify shapes"
 timeout 60 python3 -m pytest bench/bench_triton_attention.py -q -p no:cacheprovider --benchmark-only \
   --benchmark-max-time=0.2 --benchmark-min-rounds=10 \
-  --benchmark-json="$out/triton_attention_cuda.json" >"$out/triton_bench.log" 2>&1 || tail -30 "$out/triton_bench.log"
+  --benchmark-json="$out/triton_attention_cuda.json" >>"$out/bench.log" 2>&1 || tail -30 "$out/bench.log"
 [ -f "$out/triton_attention_cuda.json" ] && python3 bench/report.py "$out/triton_attention_cuda.json"
 
+stamp "end-to-end loop again, steps through torch.compile (mode reduce-overhead: CUDA graphs)"
+timeout 180 python3 scripts/gpu_e2e.py --compile --json "$out/e2e_llama3_8b_compiled.json" >"$out/one.log" 2>&1
+grep -E "^(decode step|60/6 round|ratios|total|Traceback|[A-Za-z]*Error)|skipping cudagraphs" "$out/one.log" | tail -8
+{ echo "=== compiled"; cat "$out/one.log"; } >>"$out/e2e.log" && rm "$out/one.log"
 if command -v compute-sanitizer >/dev/null; then
   stamp "compute-sanitizer memcheck: the CUDA op tests of tree_verify, tree_attention and kv_compact"
   timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest tests/test_tree_verify.py \
     tests/test_tree_attention.py tests/test_kv_compact.py -q -p no:cacheprovider -m cuda -x >"$out/memcheck.log" 2>&1
   echo "memcheck exit $? (9: errors found; 124: time limit)"
   grep -E "ERROR SUMMARY|Invalid|passed|failed" "$out/memcheck.log" | tail -8
+  { echo "=== compute-sanitizer memcheck"; cat "$out/memcheck.log"; } >>"$out/tests.log" && rm "$out/memcheck.log"
 fi
-stamp "end-to-end loop again, steps through torch.compile (mode reduce-overhead: CUDA graphs)"
-timeout 180 python3 scripts/gpu_e2e.py --compile --json "$out/e2e_llama3_8b_compiled.json" >"$out/e2e_compiled.log" 2>&1
-grep -E "^(decode step|60/6 round|ratios|total|Traceback|[A-Za-z]*Error)" "$out/e2e_compiled.log" | tail -8
 stamp "done"

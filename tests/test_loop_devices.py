@@ -30,29 +30,55 @@ def generator_on(device, model, **kw):
         return make_generator(model, draft=True, **kw)
 
 
-@pytest.mark.parametrize("device", devices())
-def test_greedy_matches_hf_on_the_same_device(device):
-    model = tiny_target().to(device)
-    model.generation_config.eos_token_id = None
-    prompts = eval_prompts(n_per_set=2)
-    gen = generator_on(device, model, n=3, ppl=2, aligned=True)
-    gen.end_ids = set()
-    res = gen.generate(prompts, NEW, depth=6, num_nodes=24)
-    accepted = max(k for s in res.stats for k, c in enumerate(s.accept_hist) if c)
-    assert accepted >= 2, "the aligned draft should have multi-token paths accepted"
+def assert_matches_hf(model, prompts, outputs, device):
+    """Each output equals HF greedy on ``model``, or parts from it only at a near-tie of fp64 logits;
+    at most one prompt may part."""
     parted = 0
-    for p, got in zip(prompts, res.token_ids):
-        want = hf_greedy_on(model, p, NEW)
+    for p, got in zip(prompts, outputs):
+        want = hf_greedy_on(model, p, len(got))
         if got == want:
             continue
         parted += 1
-        k = next(i for i in range(NEW) if got[i] != want[i])
+        k = next(i for i in range(len(got)) if got[i] != want[i])
         with torch.no_grad():
             ref = model.double()(torch.tensor([p + want[:k]], device=device)).logits[0, -1]
             model.float()
         gap = float(ref[want[k]] - ref[got[k]])
         assert abs(gap) < 1e-4 * float(ref.abs().max()), f"prompt {p[:8]}: parted at token {k}, not a near-tie ({gap})"
     assert parted <= 1, f"{parted} of {len(prompts)} prompts parted from HF greedy"
+
+
+def greedy_target(device):
+    model = tiny_target().to(device)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize("device", devices())
+def test_greedy_matches_hf_on_the_same_device(device):
+    model = greedy_target(device)
+    prompts = eval_prompts(n_per_set=2)
+    gen = generator_on(device, model, n=3, ppl=2, aligned=True)
+    gen.end_ids = set()
+    res = gen.generate(prompts, NEW, depth=6, num_nodes=24)
+    accepted = max(k for s in res.stats for k, c in enumerate(s.accept_hist) if c)
+    assert accepted >= 2, "the aligned draft should have multi-token paths accepted"
+    assert_matches_hf(model, prompts, res.token_ids, device)
+
+
+@pytest.mark.cuda
+def test_compiled_steps_with_cuda_graphs_match_hf():
+    """``compile_steps`` on CUDA: mode reduce-overhead, the caches written in place inside CUDA graphs."""
+    from poss.decode.loader import compile_steps
+
+    model = greedy_target("cuda")
+    prompts = eval_prompts(n_per_set=1)
+    gen = compile_steps(generator_on("cuda", model, n=3, ppl=2, aligned=True))
+    gen.end_ids = set()
+    outputs = []
+    for i in range(0, len(prompts), 2):
+        outputs += gen.generate(prompts[i: i + 2], 32, depth=3, num_nodes=8).token_ids
+    assert_matches_hf(model, prompts, outputs, "cuda")
 
 
 @pytest.mark.parametrize("device", devices())

@@ -17,6 +17,14 @@ class StaticKVCache:
         shape = (num_layers, batch, kv_heads, max_seq, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        if self.k.is_cuda:
+            # The layer ops write the cache in place. Under torch.compile(mode="reduce-overhead") a
+            # CUDA graph may mutate only inputs at a fixed address, and skips graphs for any other
+            # mutated input. A cache lives as long as its runner; a grown one is a new tensor (guarded: recompiled).
+            from torch._dynamo import mark_static_address
+
+            mark_static_address(self.k, guard=True)
+            mark_static_address(self.v, guard=True)
 
     @property
     def max_seq(self) -> int:
