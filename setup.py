@@ -12,6 +12,9 @@ import glob
 import json
 import os
 import platform
+import subprocess
+import sysconfig
+import tempfile
 
 from setuptools import find_packages, setup
 
@@ -49,6 +52,30 @@ def cpu_arch_flags() -> list:
     return []
 
 
+def link_flags() -> list:
+    """``-fopenmp``, plus ``-Bno-symbolic`` where Python's link line binds a library's calls to its own
+    functions (``-Bsymbolic-functions``, as Debian's and Ubuntu's Pythons do).
+
+    Why: on a lent H200 image (Ubuntu's Python 3.12, a GCC under /opt/gcc) the built library held its
+    own copy of libstdc++'s ``ostream::_M_insert<long>``; bound to it, the first error message that
+    formats an integer segfaulted (tests/test_linear.py, bad arguments on CUDA). Without the local
+    binding that call resolves to the libstdc++ that torch loaded, like every other library's.
+    """
+    flags = ["-fopenmp"]
+    ldshared = os.environ.get("LDSHARED") or sysconfig.get_config_var("LDSHARED") or ""
+    if "-Bsymbolic" in ldshared and linker_accepts("-Wl,-Bno-symbolic"):
+        flags.append("-Wl,-Bno-symbolic")
+    return flags
+
+
+def linker_accepts(flag: str) -> bool:
+    """Whether the C++ compiler links an empty shared library with ``flag`` (GNU ld 2.37+ and lld take
+    -Bno-symbolic; older linkers reject it)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [os.environ.get("CXX", "c++"), "-shared", "-x", "c++", os.devnull, "-o", os.path.join(tmp, "t.so"), flag]
+        return subprocess.run(cmd, capture_output=True).returncode == 0
+
+
 def cuda_library_includes() -> list:
     """Headers of the CUDA math libraries (cuSPARSE, cuBLAS...) that torch's headers include.
 
@@ -81,7 +108,7 @@ def extension():
         sources=sources,
         include_dirs=[os.path.join(ROOT, "csrc", "include")],
         define_macros=macros,
-        extra_link_args=["-fopenmp"],
+        extra_link_args=link_flags(),
     )
     if not with_cuda:
         return cpp_extension.CppExtension(extra_compile_args={"cxx": cxx}, **args), arch_list

@@ -27,6 +27,9 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torc
 stamp "build (in place, sm_${TORCH_CUDA_ARCH_LIST/./})"
 python3 setup.py build_ext --inplace >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
 python3 -c "import poss_ext; print(poss_ext.build_info())"
+# A copy of libstdc++'s stream code inside _C, bound locally, crashed the first error message that
+# formats an integer on one image (setup.py link_flags): say whether the build holds one.
+echo "libstdc++ ostream functions defined in _C: $(nm -C --defined-only poss_ext/_C*.so 2>/dev/null | grep -c 'std::ostream::_M_insert')"
 
 stamp "CUDA tests: ops, then the loop (one process per file: a crash in one leaves the others' results)"
 : >"$out/tests.log"

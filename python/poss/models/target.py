@@ -126,6 +126,12 @@ class TargetRunner:
     def hidden_size(self) -> int:
         return self.embed.shape[1]
 
+    def weights(self) -> List[Tensor]:
+        """Every tensor the forward reads besides its inputs and the cache: the layers' weights, the
+        embedding, the final norm, the lm_head and the RoPE frequencies."""
+        layers = [v for p in self.layers for v in vars(p).values() if v is not None]
+        return layers + [self.embed, self.final_norm_w, self.lm_head, self.inv_freq]
+
     def fingerprint(self) -> str:
         """Hash of the target's weights; a draft records it and refuses any other target."""
         if self._fingerprint is None:
