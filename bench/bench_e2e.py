@@ -60,7 +60,8 @@ def ours(gen, prompts: Sequence[List[int]], new: int, name: str, tree=None, kind
     finally:
         gen.profile, gen.end_ids = None, saved
     toks = sum(len(x) for x in out)
-    return _row(name, kind, out, wall, tree=f"{tree.num_nodes}/{tree.depth}", rounds=rounds,
+    shape = f"{tree.num_nodes}/{tree.depth}" + (f"+{tree.lookup}" if tree.lookup else "")
+    return _row(name, kind, out, wall, tree=shape, rounds=rounds,
                 tau=(toks - len(prompts)) / max(rounds, 1), round_ms=prof, decode_seconds=decode_s)
 
 
@@ -201,14 +202,17 @@ def matches(rows: List[Dict], ref: Dict) -> None:
 def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", drafts: Optional[List[str]] = None,
         fixed=((60, 6), (16, 4), (8, 3), (4, 2)), sweep_draft: str = "poss2",
         llama: bool = True, hf_rows: bool = True, compiled: bool = False, batches: Sequence[int] = (),
-        fixed_all: bool = True, pages_row: bool = True, hf_extra_dtypes: Sequence[str] = (), log=print) -> Dict:
+        fixed_all: bool = True, pages_row: bool = True, hf_extra_dtypes: Sequence[str] = (),
+        lookups: Sequence[str] = (), log=print) -> Dict:
     """Every row on the real SmolLM2-135M-Instruct (registry) and its shipped drafts.
 
     ``fixed``: the (nodes, depth) trees the ``sweep_draft`` is also timed at; with ``fixed_all`` every
     other draft is timed at the first of them too (the paper's 60/6 by default). ``pages_row``: our AR
     loop again with the weights on 4 KB pages (what 2 MB pages buy), where the OS has huge pages.
     ``hf_extra_dtypes``: HF rows also in these dtypes (named "HF generate (float32)" etc.), e.g. fp32 on
-    a CPU where torch's own bf16 GEMMs are slow while ours run bf16.
+    a CPU where torch's own bf16 GEMMs are slow while ours run bf16. ``lookups``: ``"K"`` times the
+    ``sweep_draft`` at its auto tree plus a K-token prompt-lookup chain, and our loop with the chain
+    alone (no draft); ``"N/D+K"`` the sweep draft at the fixed N/D tree plus the chain.
     """
     import poss
     from poss import hardware
@@ -268,6 +272,23 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
             r["draft"] = folder.name
         rows.insert(len(rows) - len(measured), r)
         log(f"  {r['name']}: {r['tokens_per_s']:.1f} tok/s, tau {r['tau']:.2f}")
+    for spec in lookups:  # prompt lookup merged into the tree (poss.decode.lookup): rows apart from the drafts
+        T, d, K = lookup_of(spec)
+        folder = next((f for f in shipped_drafts("smollm2-135m") if f.name == sweep_draft), None)
+        if folder is not None and (T or sweep_draft in out["auto"]):
+            name = f"{sweep_draft} {T}/{d}" if T else None
+            if not T:
+                T, d = tree_of(out["auto"][sweep_draft]["tree"])
+                name = f"{sweep_draft} auto (= {T}/{d})"
+            gen.draft = PosSDraft.load(folder, dtype=dt).attach(gen.runner, 1, 256)
+            r = ours(gen, prompts, new, f"{name} + lookup {K}", TreeParams(num_nodes=T, depth=d, lookup=K), "draft")
+            r["draft"] = sweep_draft
+            rows.append(r)
+            log(f"  {r['name']}: {r['tokens_per_s']:.1f} tok/s, tau {r['tau']:.2f}")
+        gen.draft = None
+        if spec == str(K):
+            rows.append(ours(gen, prompts, new, f"our prompt lookup {K} (no draft)", TreeParams(1, 0, lookup=K)))
+            log(f"  {rows[-1]['name']}: {rows[-1]['tokens_per_s']:.1f} tok/s, tau {rows[-1]['tau']:.2f}")
     for B in batches:  # our AR loop and the sweep draft at its (batch-1) auto tree, B requests together
         gen.draft = None
         rows.append(batch_row(gen, batch_prompts, new, B, f"our AR loop, batch {B}"))
@@ -312,6 +333,13 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
     return out
 
 
+def lookup_of(spec: str):
+    """``"K"`` -> (0, 0, K) (the auto tree), ``"N/D+K"`` -> (N, D, K)."""
+    tree, _, k = spec.rpartition("+")
+    T, d = tree_of(tree) if tree else (0, 0)
+    return T, d, int(k)
+
+
 def tree_of(text: str):
     """``"60/6"`` -> ``(60, 6)``; ValueError for anything else."""
     nodes, depth = (int(x) for x in text.split("/"))  # ValueError: not two integers
@@ -340,16 +368,22 @@ def main(argv=None):
     ap.add_argument("--no-fixed-others", action="store_true",
                     help="time the other drafts at auto only (not also at the first fixed tree)")
     ap.add_argument("--no-pages-row", action="store_true", help="skip the AR row on 4 KB pages")
+    ap.add_argument("--lookup", nargs="*", default=[], metavar="K|N/D+K",
+                    help="rows with a K-token prompt-lookup chain: K = the sweep draft at auto plus it, and it "
+                         "alone; N/D+K = the sweep draft at the N/D tree plus it")
     ap.add_argument("--out", default="out/e2e.json")
     args = ap.parse_args(argv)
     try:
         fixed = tuple(tree_of(f) for f in args.fixed)
+        for spec in args.lookup:
+            lookup_of(spec)
     except ValueError:
-        ap.error(f"--fixed: expected NODES/DEPTH pairs such as 60/6 (nodes >= 1, depth >= 0), got {args.fixed}")
+        ap.error(f"--fixed / --lookup: expected NODES/DEPTH pairs such as 60/6 (nodes >= 1, depth >= 0) and K or "
+                 f"NODES/DEPTH+K, got {args.fixed} / {args.lookup}")
     res = run(args.prompts, args.new, args.threads, args.dtype, args.drafts, sweep_draft=args.sweep_draft,
               llama=not args.no_llama, hf_rows=not args.no_hf, compiled=args.compile,
               batches=args.batch, fixed=fixed, fixed_all=not args.no_fixed_others, pages_row=not args.no_pages_row,
-              hf_extra_dtypes=args.hf_extra_dtypes)
+              hf_extra_dtypes=args.hf_extra_dtypes, lookups=args.lookup)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(f"wrote {args.out} ({res['wall_seconds']:.0f} s)")
@@ -381,7 +415,11 @@ def test_rows_tiny(benchmark, tiny, bench_threads, tmp_path, monkeypatch):
     rows = [ar, benchmark.pedantic(ours, (gen, prompts, 16, "auto", auto), rounds=1, iterations=1),
             ours(gen, prompts, 16, "60/6", TreeParams()), hf(model, prompts, 16, "HF generate"),
             hf(model, prompts, 16, "HF prompt lookup", prompt_lookup_num_tokens=10),
-            batch_row(gen, prompts, 16, 2, "auto, batch 2", auto, "draft")]
+            batch_row(gen, prompts, 16, 2, "auto, batch 2", auto, "draft"),
+            ours(gen, prompts, 16, "3/1 + lookup 3", TreeParams(3, 1, lookup=3), "draft")]
+    gen.draft = None
+    rows.append(ours(gen, prompts, 16, "prompt lookup 4", TreeParams(1, 0, lookup=4)))
+    gen.draft = draft
     if huge_pages_available():
         rows.append(small_pages_row(gen, model, prompts, 16))
         assert rows[-1]["bandwidth"]["steps"] == ar["rounds"]

@@ -65,6 +65,23 @@ def test_requests_joining_at_different_rounds_decode_what_generate_gives_alone(g
     assert engine.batch.size == 0 and not engine._live  # nothing left behind
 
 
+def test_requests_with_prompt_lookup_in_the_batch_decode_what_generate_gives_alone(gen):
+    """Rows of one batch pad their lookup chains to a common length, so their rounds may differ from
+    a lone request's; their tokens may not."""
+    tree = TreeParams(num_nodes=10, depth=3, beam_width=3, lookup=5)
+    prompts = eval_prompts(1)[:4]
+    budgets = [40, 25, 60, 33]
+    want = [gen.generate([p], n, tree=tree) for p, n in zip(prompts, budgets)]
+    engine = DecodeEngine(gen, tree, max_batch=3)
+    schedule = {0: [(i, dict(prompt_ids=prompts[i], max_new_tokens=budgets[i])) for i in range(2)],
+                3: [(i, dict(prompt_ids=prompts[i], max_new_tokens=budgets[i])) for i in range(2, 4)]}
+    out, _ = run(engine, schedule)
+    for i, w in enumerate(want):
+        assert out[i][0] == w.token_ids[0], f"request {i}"
+        assert out[i][1].finish_reason == w.stats[0].finish_reason
+    assert any(k > 3 and c for w in want for k, c in enumerate(w.stats[0].accept_hist)), "no lookup was accepted"
+
+
 def test_a_seeded_sampled_request_is_the_same_alone_and_among_others(model):
     gen = make_generator(model, draft=True, n=3, ppl=1, aligned=True)
     prompts = eval_prompts(1)

@@ -5,6 +5,7 @@ import re
 import sys
 
 from poss.cli_args import (
+    LOOKUP_HELP,
     RETUNE_HELP,
     UsageError,
     check_draft,
@@ -17,7 +18,7 @@ from poss.cli_args import (
 )
 
 DTYPES = ("auto", "float32", "bfloat16")
-_TREE_FLAGS = {"num_nodes": "--num-nodes", "depth": "--depth", "beam_width": "--beam-width"}
+_TREE_FLAGS = {"num_nodes": "--num-nodes", "depth": "--depth", "beam_width": "--beam-width", "lookup": "--lookup"}
 
 
 def add_arguments(p: argparse.ArgumentParser, chat: bool) -> None:
@@ -55,6 +56,7 @@ def add_arguments(p: argparse.ArgumentParser, chat: bool) -> None:
     t.add_argument("--depth", type=int_or_auto(0), default="auto", help="draft positions below the root")
     t.add_argument("--beam-width", "--top-k-draft", dest="beam_width", type=int_at_least(1), default=10,
                    help="children kept per frontier node and frontier size per level")
+    t.add_argument("--lookup", type=int_at_least(0), default=0, help=LOOKUP_HELP)
     t.add_argument("--retune", action="store_true", help=RETUNE_HELP)
 
 
@@ -79,9 +81,9 @@ def _params(args):
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p, seed=args.seed)
     try:
-        tree = tree_from_flags(args.num_nodes, args.depth, args.beam_width)
+        tree = tree_from_flags(args.num_nodes, args.depth, args.beam_width, args.lookup)
     except ValueError as e:
-        raise UsageError(re.sub(r"\b(num_nodes|depth|beam_width)\b", lambda m: _TREE_FLAGS[m.group(1)],
+        raise UsageError(re.sub(r"\b(num_nodes|depth|beam_width|lookup)\b", lambda m: _TREE_FLAGS[m.group(1)],
                                 str(e))) from None
     return sampling, tree
 
@@ -116,6 +118,8 @@ def _options(args):
     options = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, tree=tree, stop=args.stop)
     if tree == "auto":
         options["beam_width"] = args.beam_width
+        if args.lookup:
+            options["lookup"] = args.lookup
     return options
 
 

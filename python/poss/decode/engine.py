@@ -109,7 +109,7 @@ class DecodeEngine:
         self.speculate_max_batch = speculate_max_batch
         self.depth = t.depth if self.speculate else 0
         # Slots past a request's text that one round can touch: its tree and the draft's catch-up.
-        self.slack = t.num_nodes + t.beam_width * self.depth + self.depth + 8
+        self.slack = t.num_nodes + t.beam_width * self.depth + self.depth + 2 * t.lookup + 8
         self.capacity = 0  # slots per row of the batch buffers and caches
         self.batch: Optional[BatchState] = None
         self._pending: List[Request] = []
@@ -132,7 +132,7 @@ class DecodeEngine:
         sampling = sampling or SamplingParams()
         rid = next(self._next_id)
         req = Request(rid, prompt, int(max_new_tokens), sampling)
-        req.accept_hist = [0] * (self.depth + 1)
+        req.accept_hist = [0] * (self.depth + self.tree.lookup + 1)
         rng = None
         if not sampling.greedy:
             seed = sampling.seed if sampling.seed is not None else random.randrange(1 << 62)
@@ -189,7 +189,8 @@ class DecodeEngine:
             # A plain round leaves the draft behind; its next round catches up on the pairs it missed.
             spec = self.speculate and (self.speculate_max_batch is None or batch.size <= self.speculate_max_batch)
             rows = self.gen.round(batch, t.num_nodes if spec else 1, self.depth if spec else 0, t.beam_width,
-                                  uniforms=self._uniforms(batch.requests))
+                                  uniforms=self._uniforms(batch.requests),
+                                  lookup=t.lookup if spec or not self.speculate else 0)
             before = [len(r.generated) for r in batch.requests]
             self.gen.apply_round(batch, rows, lambda r: self._live[r.index].stopper)
             events += [self._event(r, n) for r, n in zip(batch.requests, before)]

@@ -15,6 +15,7 @@ import torch
 
 from poss.decode.batch import BatchState, Request
 from poss.decode.draft_tree import draft_tree, root_only_tree, warm_up
+from poss.decode.lookup import add_lookup
 from poss.decode.params import SamplingParams, TreeParams, batch_seed
 from poss.decode.stopping import Stopper, end_token_ids, safe_text
 from poss.decode.verify import commit, tree_verify, verify
@@ -165,7 +166,7 @@ class Generator:
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                               and isinstance(prompts[0], (int, dict)))
         prompts = [prompts] if single else list(prompts)
-        tree = self.resolve_tree(tree, **{k: options.pop(k) for k in ("num_nodes", "depth", "beam_width")
+        tree = self.resolve_tree(tree, **{k: options.pop(k) for k in ("num_nodes", "depth", "beam_width", "lookup")
                                           if k in options})
         params = SamplingParams.per_request(sampling, len(prompts), **options)
         return single, self._requests(prompts, max_new_tokens, params), tree
@@ -245,13 +246,13 @@ class Generator:
         depth = tree.depth if speculate else 0
         limit = self.speculation_limit(tree) if speculate and len(reqs) > 1 else None
         for r in reqs:
-            r.accept_hist = [0] * (depth + 1)
+            r.accept_hist = [0] * (depth + tree.lookup + 1)
         stopper = Stopper(self.end_ids, stop, self.decode if self.tokenizer is not None else None)
         longest = max(len(r.prompt) for r in reqs)
         # Every slot the call can touch, so no forward needs a capacity check (a host sync):
         # the text, one round's tree and the draft's catch-up tree.
         capacity = (min(self.context_limit, longest + reqs[0].max_new_tokens) + tree.num_nodes
-                    + tree.beam_width * depth + depth + 8)
+                    + tree.beam_width * depth + depth + 2 * tree.lookup + 8)
         self.runner.cache = self.runner.cache.grown(len(reqs), capacity)
         if speculate:
             self.draft.ensure_caches(len(reqs), capacity)
@@ -271,7 +272,8 @@ class Generator:
         while batch.size:
             # A plain round leaves the draft behind; its next tree round catches up on the pairs it missed.
             spec = limit is None or batch.size <= limit
-            rows = self.round(batch, tree.num_nodes if spec else 1, depth if spec else 0, tree.beam_width)
+            rows = self.round(batch, tree.num_nodes if spec else 1, depth if spec else 0, tree.beam_width,
+                              lookup=tree.lookup if spec else 0)
             t = time.perf_counter()
             self.apply_round(batch, rows, lambda r: stopper)
             self._finish_times(batch.requests, start)
@@ -306,21 +308,23 @@ class Generator:
 
     @torch.inference_mode()
     def round(self, batch: BatchState, num_nodes: int, depth: int, beam_width: int,
-              uniforms=None) -> List[List[int]]:
+              uniforms=None, lookup: int = 0) -> List[List[int]]:
         """One speculative round for every active row; returns per row (accept_len, new tokens...).
 
-        ``uniforms`` as in :meth:`prefill`."""
+        ``uniforms`` as in :meth:`prefill`; ``lookup``: as :attr:`TreeParams.lookup`."""
         t = time.perf_counter()
         if depth:
             tree = draft_tree(self.draft, batch, depth, beam_width, num_nodes)
         else:
             tree = root_only_tree(batch.root_tokens())
+        if lookup:
+            tree = add_lookup(tree, [r.prompt + r.generated for r in batch.requests], lookup)
         t = self._record("draft", t)
         N = tree.tokens.shape[1]
         uniforms = (uniforms or self._uniforms)(batch.size, N) if batch.sampling is not None else None
         nodes, acc, nxt, features = verify(self.runner, batch, tree, uniforms)
         t = self._record("verify", t)
-        packed = commit(self.runner, batch, tree, nodes, acc, nxt, features, max_accept=depth)
+        packed = commit(self.runner, batch, tree, nodes, acc, nxt, features, max_accept=depth + lookup)
         rows = packed.tolist()  # the round's one host sync
         self._record("commit", t)
         return rows

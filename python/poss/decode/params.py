@@ -131,12 +131,15 @@ class TreeParams:
 
     num_nodes: nodes verified per round, root included (1 = no speculation). depth: draft positions
     below the root (0 = no speculation). beam_width: EAGLE-2's K, the children kept per frontier node
-    and the frontier size per level.
+    and the frontier size per level. lookup: up to this many tokens copied from the request's own
+    context (prompt lookup, :mod:`poss.decode.lookup`) merged into each round's tree, on top of its
+    ``num_nodes`` (0 = off); with no draft, the lookup chain alone is the tree.
     """
 
     num_nodes: int = 60
     depth: int = 6
     beam_width: int = 10
+    lookup: int = 0
 
     def __post_init__(self):
         if not 1 <= self.num_nodes <= MAX_TREE_NODES:
@@ -145,6 +148,9 @@ class TreeParams:
             raise ValueError(f"depth must be >= 0, got {self.depth}")
         if self.beam_width < 1:
             raise ValueError(f"beam_width must be >= 1, got {self.beam_width}")
+        if not 0 <= self.lookup <= MAX_TREE_NODES - self.num_nodes:
+            raise ValueError(f"lookup must be in [0, {MAX_TREE_NODES - self.num_nodes}] (num_nodes + lookup <= "
+                             f"{MAX_TREE_NODES}), got {self.lookup}")
         if self.depth and self.drafted_nodes > MAX_TREE_NODES:
             raise ValueError(f"depth={self.depth} with beam_width={self.beam_width} drafts more than "
                              f"{MAX_TREE_NODES} nodes per round")

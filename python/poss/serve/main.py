@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 from poss.cli_args import (
+    LOOKUP_HELP,
     RETUNE_HELP,
     Formatter,
     UsageError,
@@ -44,6 +45,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int_or_auto(0), default="auto", help="draft positions below the root")
     p.add_argument("--beam-width", "--top-k-draft", dest="beam_width", type=int_at_least(1), default=10,
                    help="draft candidates kept per tree level")
+    p.add_argument("--lookup", type=int_at_least(0), default=0, help=LOOKUP_HELP)
     p.add_argument("--speculate-max-batch", type=int_or_auto(1, words=("auto", "off")), default="auto",
                    help="speculate only while at most this many requests are live; larger batches decode "
                         "plainly (auto: measured once on this machine; off: always speculate)")
@@ -84,8 +86,8 @@ def run_serve(args) -> int:
     draft = chosen_draft(args, "poss serve")
     try:
         gen = load(args.target, draft=draft, dtype=args.dtype, device=args.device, retune=args.retune)
-        tree = gen.resolve_tree(tree_from_flags(args.num_nodes, args.depth, args.beam_width),
-                                beam_width=args.beam_width)
+        tree = gen.resolve_tree(tree_from_flags(args.num_nodes, args.depth, args.beam_width, args.lookup),
+                                beam_width=args.beam_width, lookup=args.lookup)
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"poss serve: {exc}", file=sys.stderr)
         return 2
@@ -96,7 +98,7 @@ def run_serve(args) -> int:
     except ValueError as exc:
         print(f"poss serve: {exc}", file=sys.stderr)
         return 2
-    engine = Engine(backend, max_queue=args.max_queue, metrics=Metrics(max_tau=max(tree.depth + 1, 1)))
+    engine = Engine(backend, max_queue=args.max_queue, metrics=Metrics(max_tau=max(tree.depth + tree.lookup + 1, 1)))
     info = {"target": str(args.target), "draft": str(draft) if draft else None, "context_limit": backend.context_limit,
             "max_batch": args.max_batch, "num_nodes": tree.num_nodes, "depth": tree.depth,
             "speculate_max_batch": backend.engine.speculate_max_batch if backend.speculative else 0}

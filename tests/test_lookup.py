@@ -1,0 +1,125 @@
+"""Prompt lookup in the tree (poss.decode.lookup): the n-gram search against a plain reference, the
+trie merge's tree encoding, and the loop with lookup: greedy token-identical to HF, sampling exact."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import poss_ext
+from helpers.loop import eval_prompts, hf_greedy, make_generator, single_thread, tiny_target  # noqa: F401
+from poss.decode.draft_tree import Tree
+from poss.decode.lookup import add_lookup, continuation
+from poss.decode.params import TreeParams
+from test_loop_sampling import PROMPT, TOP_P, T, V, chi2_pvalue, exact_distribution
+
+
+def continuation_reference(ctx, k, max_ngram=3):
+    """The definition, by brute force over lists."""
+    L = len(ctx)
+    for n in range(min(max_ngram, L - 1), 0, -1):
+        for s in range(L - n - 1, -1, -1):
+            if ctx[s: s + n] == ctx[L - n:]:
+                return ctx[s + n: s + n + k]
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 5) | st.integers(0, 2**32 - 1), max_size=40), st.integers(0, 6))
+def test_continuation_matches_the_brute_force_definition(ctx, k):
+    want = continuation_reference(ctx, k) if k > 0 else []
+    assert continuation(ctx, k) == want
+
+
+def test_continuation_prefers_the_longest_ngram_then_the_latest():
+    # last 3 tokens (1, 2, 3) occur once, at the start: their continuation beats later 1-gram matches of 3
+    assert continuation([1, 2, 3, 9, 5, 3, 7, 1, 2, 3], 2) == [9, 5]
+    assert continuation([4, 3, 8, 3, 6, 3], 1) == [6]  # the latest earlier 3
+    assert continuation([1, 2, 3], 4) == []
+
+
+def random_tree(B, N, seed):
+    g = torch.Generator().manual_seed(seed)
+    parents = torch.full((B, N), -1, dtype=torch.int32)
+    depth = torch.zeros(B, N, dtype=torch.int32)
+    for i in range(1, N):
+        parents[:, i] = torch.randint(0, i, (B,), generator=g)
+        depth[:, i] = depth.gather(1, parents[:, i:i + 1].long()).squeeze(1) + 1
+    tokens = torch.randint(0, 6, (B, N), generator=g)
+    return Tree(tokens, parents, depth)
+
+
+def path_tokens(tree, b, node):
+    out = []
+    while node > 0:
+        out.append(int(tree.tokens[b, node]))
+        node = int(tree.parents[b, node])
+    return out[::-1]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_merged_tree_holds_each_chain_as_a_path_and_keeps_the_tree(seed):
+    B, N, k = 3, 7, 4
+    tree = random_tree(B, N, seed)
+    g = torch.Generator().manual_seed(100 + seed)
+    contexts = [torch.randint(0, 6, (12,), generator=g).tolist() + [int(tree.tokens[b, 0])] for b in range(B)]
+    out = add_lookup(tree, contexts, k)
+    E = out.tokens.shape[1] - N
+    assert torch.equal(out.tokens[:, :N], tree.tokens) and torch.equal(out.parents[:, :N], tree.parents)
+    poss_ext.ops.tree_verify(out.parents, out.tokens, torch.randn(B, N + E, 6), None, None, None, None)  # valid
+    for b in range(B):
+        for i in range(N, N + E):
+            p = int(out.parents[b, i])
+            assert 0 <= p < i and int(out.depth[b, i]) == int(out.depth[b, p]) + 1
+        chain = continuation(contexts[b], k)
+        ends = [i for i in range(N + E) if path_tokens(out, b, i) == chain]
+        assert chain == [] or ends, f"row {b}: the chain {chain} is not a path from the root"
+
+
+def test_no_chain_leaves_the_tree_as_it_is():
+    tree = random_tree(2, 5, 0)
+    assert add_lookup(tree, [[1, 2, 3], [4, 5, 6]], 4) is tree
+
+
+def test_lookup_bounds():
+    with pytest.raises(ValueError, match="lookup must be in"):
+        TreeParams(num_nodes=250, lookup=7)
+    with pytest.raises(ValueError, match="lookup must be in"):
+        TreeParams(lookup=-1)
+
+
+@pytest.fixture(scope="module")
+def target():
+    model = tiny_target()  # its text soon cycles through a bigram map: lookups hit
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize("draft", [True, False], ids=["poss2-plus-lookup", "lookup-only"])
+def test_greedy_with_lookup_matches_hf(target, draft):
+    prompts = eval_prompts(n_per_set=2)
+    gen = make_generator(target, draft=draft, n=3, ppl=2, aligned=False)
+    gen.end_ids = set()
+    res = gen.generate(prompts, 96, tree=TreeParams(num_nodes=6, depth=2, beam_width=4, lookup=6) if draft
+                       else TreeParams(num_nodes=1, depth=0, lookup=6))
+    for p, got in zip(prompts, res.token_ids):
+        assert got == hf_greedy(target, p, 96)
+    # the random draft alone accepts at most 2 per round: longer accepted paths came from the lookup
+    assert any(k > 2 and c for s in res.stats for k, c in enumerate(s.accept_hist))
+
+
+@pytest.mark.parametrize("draft", [True, False], ids=["poss-n3-plus-lookup", "lookup-only"])
+def test_sampling_with_lookup_follows_the_target(draft):
+    model = tiny_target(vocab=V, seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6.0)
+    probs = exact_distribution(model)
+    gen = make_generator(model, draft=draft, n=3, ppl=1, aligned=True)
+    gen.end_ids = set()
+    tree = TreeParams(num_nodes=12, depth=3, beam_width=4, lookup=3) if draft else TreeParams(1, 0, lookup=3)
+    counts = torch.zeros(V, V, V)
+    for seed in range(40):
+        for ids in gen.generate([PROMPT] * 64, 3, temperature=T, top_p=TOP_P, seed=seed, tree=tree).token_ids:
+            counts[tuple(ids)] += 1
+    assert counts[probs == 0].sum() == 0
+    assert chi2_pvalue(counts, probs) > 1e-3
