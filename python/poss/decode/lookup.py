@@ -44,6 +44,7 @@ def add_lookup(tree: Tree, contexts: Sequence[Sequence[int]], k: int) -> Tree:
     remainder of a chain that the tree did not already hold. A row whose remainder is shorter pads
     with children of the root that repeat the root's token (proposals like any other: verification
     accepts one only where the target agrees). Returns ``tree`` itself when no row adds a node.
+    The merge runs on the host: on a GPU, reading the tree back is one more sync per round.
     """
     tokens, parents, depth = tree.tokens.tolist(), tree.parents.tolist(), tree.depth.tolist()
     N = len(tokens[0])

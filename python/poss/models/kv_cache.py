@@ -20,7 +20,8 @@ class StaticKVCache:
         if self.k.is_cuda:
             # The layer ops write the cache in place. Under torch.compile(mode="reduce-overhead") a
             # CUDA graph may mutate only inputs at a fixed address, and skips graphs for any other
-            # mutated input. A cache lives as long as its runner; a grown one is a new tensor (guarded: recompiled).
+            # mutated input. A cache lives as long as its runner; a grown cache is a new tensor, and
+            # the guard recompiles for it.
             from torch._dynamo import mark_static_address
 
             mark_static_address(self.k, guard=True)
