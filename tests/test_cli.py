@@ -82,6 +82,8 @@ def draft_files(tmp_path):
     (["--depth", "-1"], "--depth"),
     (["--beam-width", "0"], "--beam-width"),
     (["--depth", "30", "--beam-width", "10"], "--depth"),  # a tree over the kernel's limits
+    (["--lookup", "-1"], "--lookup"),
+    (["--num-nodes", "60", "--lookup", "197"], "--lookup"),  # 60 + 197 nodes: over the kernel's 256
 ])
 def test_generate_bad_numbers(cmd, bad, flag, capsys):
     fails([cmd] + (["--prompt", "hi"] if cmd == "generate" else []) + bad, flag, capsys)
@@ -97,6 +99,13 @@ def test_tree_flags_default_to_auto_and_a_size_alone_takes_the_fixed_rest():
     assert tree_from_flags("auto", "auto", 10) == "auto"
     assert tree_from_flags(16, "auto", 8) == TreeParams(num_nodes=16, depth=6, beam_width=8)
     assert tree_from_flags("auto", 3, 10) == TreeParams(num_nodes=60, depth=3)
+    assert tree_from_flags(3, 1, 10, lookup=4) == TreeParams(num_nodes=3, depth=1, lookup=4)
+
+
+def test_lookup_alone_runs_on_a_tiny_folder(tiny_target_folder, capsys):
+    assert main(["generate", "--no-draft", "--lookup", "4", "--target", str(tiny_target_folder), "--prompt",
+                 "hi hi hi", "--max-new-tokens", "8", "--threads", "1"]) == 0
+    assert "tokens/s" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag,value", [("--top-p", "0.9"), ("--top-k", "5"), ("--min-p", "0.1")])
@@ -316,6 +325,7 @@ def test_eval_bad_inputs(bad, flag, tmp_path, capsys):
     (["--target", "nope"], "--target"), (["--draft", "nowhere"], "--draft"),
     (["--speculate-max-batch", "0"], "--speculate-max-batch"),
     (["--speculate-max-batch", "never"], "--speculate-max-batch"),
+    (["--lookup", "-2"], "--lookup"),
 ])
 def test_serve_bad_inputs(bad, flag, capsys):
     fails(["serve"] + bad, flag, capsys)
