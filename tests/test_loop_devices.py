@@ -54,13 +54,14 @@ def greedy_target(device):
     return model
 
 
+@pytest.mark.parametrize("lookup", [0, 4], ids=["tree", "tree+lookup"])
 @pytest.mark.parametrize("device", devices())
-def test_greedy_matches_hf_on_the_same_device(device):
+def test_greedy_matches_hf_on_the_same_device(device, lookup):
     model = greedy_target(device)
     prompts = eval_prompts(n_per_set=2)
     gen = generator_on(device, model, n=3, ppl=2, aligned=True)
     gen.end_ids = set()
-    res = gen.generate(prompts, NEW, depth=6, num_nodes=24)
+    res = gen.generate(prompts, NEW, depth=6, num_nodes=24, lookup=lookup)
     accepted = max(k for s in res.stats for k, c in enumerate(s.accept_hist) if c)
     assert accepted >= 2, "the aligned draft should have multi-token paths accepted"
     assert_matches_hf(model, prompts, res.token_ids, device)
