@@ -84,6 +84,23 @@ def test_eval_end_to_end(tiny_folder, tmp_path):
     assert len((out / "records.jsonl").read_text().splitlines()) == 9
 
 
+def test_eval_with_lookup_keeps_plain_decoding_as_the_baseline(tiny_folder, tmp_path):
+    from poss.cli import main
+
+    torch.set_num_threads(1)
+    data = jsonl(tmp_path / "mini.jsonl", [{"question_id": i, "turns": [f"say {i} say {i} say"]} for i in range(2)])
+    out = tmp_path / "out"
+    assert main(["eval", "--target", str(tiny_folder / "target"), "--drafts", str(tiny_folder / "eagle"),
+                 "--datasets", "none", "--dataset", str(data), "--max-new-tokens", "24", "--num-nodes", "4",
+                 "--depth", "1", "--beam-width", "3", "--lookup", "4", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["methods"]["eagle"]["identical"] == [2, 2]
+    recs = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    ar = [t for r in recs if r["method"] == "ar" for t in r["turns"]]
+    # one token a round after the prefill's: plain decoding, no lookup in the baseline
+    assert all(t["accept_hist"] == [t["tokens"] - 1] for t in ar)
+
+
 def test_eval_first_turns_only(tiny_folder, tmp_path):
     from poss.cli import main
 

@@ -28,6 +28,7 @@ class Settings:
     temperature: float = 0.0
     seed: int = 0
     max_turns: Optional[int] = None  # ask only the first K turns of each question (None: all)
+    lookup: int = 0  # prompt-lookup tokens merged into each tree (TreeParams.lookup)
 
 
 def method_name(draft: Optional[str]) -> str:
@@ -67,7 +68,8 @@ def poss_turn(gen, messages, s: Settings) -> dict:
     gen.profile = {}
     t0 = time.perf_counter()
     res = gen.generate(messages, s.max_new_tokens, SamplingParams(temperature=s.temperature, seed=s.seed),
-                       TreeParams(num_nodes=s.num_nodes, depth=s.depth, beam_width=s.beam_width))
+                       TreeParams(num_nodes=s.num_nodes, depth=s.depth, beam_width=s.beam_width,
+                                  lookup=s.lookup if gen.draft is not None else 0))  # ar stays plain decoding
     dt = time.perf_counter() - t0
     prof, gen.profile = gen.profile, None
     st = res.stats[0]
@@ -116,7 +118,8 @@ def evaluate(target: str, drafts: Iterable[Optional[str]], datasets: Dict[str, L
                     continue
                 if not warm:  # first-call costs (allocation, thread pools) stay out of the timings
                     answer(method, {"turns": ["Hello"]}, Settings(max_new_tokens=8, num_nodes=s.num_nodes,
-                                                                 depth=s.depth, beam_width=s.beam_width))
+                                                                 depth=s.depth, beam_width=s.beam_width,
+                                                                 lookup=s.lookup))
                     warm = True
                 for r in tqdm(todo, desc=f"{name} {ds}", disable=not progress, dynamic_ncols=True):
                     rec = {"method": name, "draft": None if d in (None, "hf") else str(d), "dataset": ds,
