@@ -27,9 +27,11 @@ def test_every_op_is_registered():
 
 
 def test_torch_mismatch_is_an_import_error_with_the_fix(monkeypatch):
+    # The folder the library was loaded from: a source checkout's _loader defers to the installed
+    # copy (poss_ext.__path__), and its own folder holds no _build_info.json.
     monkeypatch.setattr(torch, "__version__", "0.0.1+other")
     with pytest.raises(ImportError, match=r"built against torch .* but torch 0.0.1\+other .*--no-build-isolation"):
-        _loader.load_library()
+        _loader.load_library(poss_ext.__path__[0])
 
 
 def test_a_source_folder_without_the_library_defers_to_the_installed_copy(tmp_path, monkeypatch):
