@@ -56,7 +56,7 @@ def link_flags() -> list:
     """``-fopenmp``, plus ``-Bno-symbolic`` where Python's link line binds a library's calls to its own
     functions (``-Bsymbolic-functions``, as Debian's and Ubuntu's Pythons do).
 
-    Why: on a lent H200 image (Ubuntu's Python 3.12, a GCC under /opt/gcc) the built library held its
+    Why: on a lent H200 image (Ubuntu's Python 3.12, the image's own GCC) the built library held its
     own copy of libstdc++'s ``ostream::_M_insert<long>``; bound to it, the first error message that
     formats an integer segfaulted (tests/test_linear.py, bad arguments on CUDA). Without the local
     binding that call resolves to the libstdc++ that torch loaded, like every other library's.

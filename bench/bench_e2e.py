@@ -272,15 +272,16 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
             r["draft"] = folder.name
         rows.insert(len(rows) - len(measured), r)
         log(f"  {r['name']}: {r['tokens_per_s']:.1f} tok/s, tau {r['tau']:.2f}")
+    folder = next((f for f in shipped_drafts("smollm2-135m") if f.name == sweep_draft), None)
+    sweep = PosSDraft.load(folder, dtype=dt).attach(gen.runner, 1, 256) if lookups and folder else None
     for spec in lookups:  # prompt lookup merged into the tree (poss.decode.lookup): rows apart from the drafts
         T, d, K = lookup_of(spec)
-        folder = next((f for f in shipped_drafts("smollm2-135m") if f.name == sweep_draft), None)
-        if folder is not None and (T or sweep_draft in out["auto"]):
-            name = f"{sweep_draft} {T}/{d}" if T else None
+        if sweep is not None and (T or sweep_draft in out["auto"]):
+            name = f"{sweep_draft} {T}/{d}"
             if not T:
                 T, d = tree_of(out["auto"][sweep_draft]["tree"])
                 name = f"{sweep_draft} auto (= {T}/{d})"
-            gen.draft = PosSDraft.load(folder, dtype=dt).attach(gen.runner, 1, 256)
+            gen.draft = sweep
             r = ours(gen, prompts, new, f"{name} + lookup {K}", TreeParams(num_nodes=T, depth=d, lookup=K), "draft")
             r["draft"] = sweep_draft
             rows.append(r)

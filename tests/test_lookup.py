@@ -11,7 +11,7 @@ from helpers.loop import eval_prompts, hf_greedy, make_generator, single_thread,
 from poss.decode.draft_tree import Tree
 from poss.decode.lookup import add_lookup, continuation
 from poss.decode.params import TreeParams
-from test_loop_sampling import PROMPT, TOP_P, T, V, chi2_pvalue, exact_distribution
+from test_loop_sampling import V, chi2_pvalue, exact_distribution, sample
 
 
 def continuation_reference(ctx, k, max_ngram=3):
@@ -115,11 +115,7 @@ def test_sampling_with_lookup_follows_the_target(draft):
         model.lm_head.weight.mul_(6.0)
     probs = exact_distribution(model)
     gen = make_generator(model, draft=draft, n=3, ppl=1, aligned=True)
-    gen.end_ids = set()
     tree = TreeParams(num_nodes=12, depth=3, beam_width=4, lookup=3) if draft else TreeParams(1, 0, lookup=3)
-    counts = torch.zeros(V, V, V)
-    for seed in range(40):
-        for ids in gen.generate([PROMPT] * 64, 3, temperature=T, top_p=TOP_P, seed=seed, tree=tree).token_ids:
-            counts[tuple(ids)] += 1
+    counts, _ = sample(gen, 40, tree=tree)
     assert counts[probs == 0].sum() == 0
     assert chi2_pvalue(counts, probs) > 1e-3

@@ -11,18 +11,10 @@ import pytest
 import torch
 
 from helpers.devices import devices
-from helpers.loop import eval_prompts, make_generator, single_thread, tiny_target  # noqa: F401
-from test_loop_sampling import PROMPT, TOP_P, T, V, chi2_pvalue, exact_distribution
+from helpers.loop import eval_prompts, hf_greedy, make_generator, single_thread, tiny_target  # noqa: F401
+from test_loop_sampling import V, chi2_pvalue, exact_distribution, sample
 
 NEW = 64
-
-
-def hf_greedy_on(model, prompt, new):
-    ids = torch.tensor([prompt], device=model.device)
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                             num_beams=1)
-    return out[0, len(prompt):].tolist()
 
 
 def generator_on(device, model, **kw):
@@ -35,7 +27,7 @@ def assert_matches_hf(model, prompts, outputs, device):
     at most one prompt may part."""
     parted = 0
     for p, got in zip(prompts, outputs):
-        want = hf_greedy_on(model, p, len(got))
+        want = hf_greedy(model, p, len(got))
         if got == want:
             continue
         parted += 1
@@ -89,15 +81,7 @@ def test_sampling_follows_the_target_on_the_device(device):
         model.lm_head.weight.mul_(6.0)
     probs = exact_distribution(model)  # on the CPU, in float64 after the logits
     gen = generator_on(device, model.to(device), n=3, ppl=1, aligned=True)
-    gen.end_ids = set()
-    counts = torch.zeros(V, V, V)
-    accepted = 0
-    for seed in range(40):
-        res = gen.generate([PROMPT] * 64, 3, temperature=T, top_p=TOP_P, seed=seed, depth=3, num_nodes=12,
-                           beam_width=4)
-        for ids, s in zip(res.token_ids, res.stats):
-            counts[tuple(ids)] += 1
-            accepted += sum(k * c for k, c in enumerate(s.accept_hist))
+    counts, accepted = sample(gen, 40, depth=3, num_nodes=12, beam_width=4)
     assert counts[probs == 0].sum() == 0
     assert chi2_pvalue(counts, probs) > 1e-3
     assert 0 < accepted < 2 * counts.sum()

@@ -18,8 +18,9 @@ def single_thread():
 
 
 def hf_greedy(model, prompt, max_new_tokens, **kw):
-    """``transformers`` greedy continuation of one prompt (end token included, as HF returns it)."""
-    ids = torch.tensor([prompt])
+    """``transformers`` greedy continuation of one prompt (end token included, as HF returns it), on
+    the model's device."""
+    ids = torch.tensor([prompt], device=model.device)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False, num_beams=1, **kw)
