@@ -103,7 +103,7 @@ def main() -> None:
     print(header(dtype, a.threads))
     print(f"\n| batch | nodes | rows | full ms | walk ms ({a.levels} levels) | walk / full |\n"
           "|---|---|---|---|---|---|")
-    for batch, nodes in [(1, 4), (1, 8), (1, 16), (1, 32), (1, 60), (4, 5), (16, 5), (16, 8)]:
+    for batch, nodes in [(1, 4), (1, 8), (1, 12), (1, 13), (1, 16), (1, 32), (1, 60), (4, 5), (16, 5), (16, 8)]:
         f, g = ms(full, w, batch, nodes), ms(walk, w, batch, a.levels)
         print(f"| {batch} | {nodes} | {batch * nodes} | {f:.2f} | {g:.2f} | {g / f:.2f} |")
     if a.e2e:

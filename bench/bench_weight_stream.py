@@ -8,6 +8,7 @@ AVX2 + FMA; elsewhere the same vendor GEMM) over a stack of SmolLM2-sized MLP we
 trees), against the core's plain read bandwidth (``poss.hardware.read_bandwidth_gbs``).
 
     PYTHONPATH=.:python python bench/bench_weight_stream.py --threads 1      # a table
+    PYTHONPATH=.:python python bench/bench_weight_stream.py --rows 1 6 7 8 12 --dtypes bfloat16 --kernels poss
     PYTHONPATH=.:python pytest bench/bench_weight_stream.py --benchmark-only  # pytest-benchmark
 """
 
@@ -62,6 +63,9 @@ def test_weight_stream(benchmark, bench_threads, dtype, rows, kernel):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 5, 8, 16], help="input row counts M")
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    ap.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     a = ap.parse_args(argv)
     from poss import hardware
 
@@ -70,13 +74,13 @@ def main(argv=None):
           f"read bandwidth {hardware.read_bandwidth_gbs():.1f} GB/s; "
           f"poss.linear kernels: bf16 {poss_ext.ops.cpu_linear_kernel(torch.bfloat16)}, "
           f"fp32 {poss_ext.ops.cpu_linear_kernel(torch.float32)}")
-    rows = (1, 5, 8, 16)
+    rows = a.rows
     print("| dtype | kernel | weights | " + " | ".join(f"GB/s at M={m}" for m in rows) + " |")
     print("|---|---|---|" + "---|" * len(rows))
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (getattr(torch, d) for d in a.dtypes):
         ws = weights(dtype)
         mb = sum(w.numel() * w.element_size() for w in ws) / 1e6
-        for kernel in KERNELS:
+        for kernel in a.kernels:
             print(f"| {str(dtype).replace('torch.', '')} | {kernel} | {mb:.0f} MB | "
                   + " | ".join(f"{gbs(ws, m, kernel):.1f}" for m in rows) + " |")
 

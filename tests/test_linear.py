@@ -52,7 +52,8 @@ def inputs(M, N, K, dtype, seed, bias=False, residual=False, lead=()):
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M,N,K", [(1, 1, 1), (1, 130, 576), (5, 64, 33), (6, 7, 32), (7, 9, 1000), (13, 5, 31)])
+@pytest.mark.parametrize("M,N,K", [(1, 1, 1), (1, 130, 576), (5, 64, 33), (6, 7, 32), (7, 9, 1000), (8, 67, 64),
+                                   (12, 131, 100), (13, 5, 31)])
 @pytest.mark.parametrize("extras", ["none", "bias", "residual", "both"])
 def test_matches_fp64(device, dtype, M, N, K, extras):
     x, w, b, r = inputs(M, N, K, dtype, M * 1000 + N + K, bias=extras in ("bias", "both"),

@@ -57,6 +57,10 @@ constexpr int64_t kRowBlock = 64;  // weight rows per thread work unit
 // faster than into L1, and no slower at 1-3 (same CPU, alternated runs).
 constexpr int64_t kPrefetchBytes = 8192;
 
+#ifndef POSS_LINEAR_MAX_ROWS
+#define POSS_LINEAR_MAX_ROWS 12
+#endif
+
 #ifdef POSS_X86_KERNELS
 
 // Prefetch for the k step that starts at element k of a micro-kernel over NR rows of `w`: the line(s)
@@ -124,8 +128,11 @@ __attribute__((target("avx2"), always_inline)) inline __m256i bf16_bits8(__m256 
 struct Bf16Avx512 {
   using T = c10::BFloat16;   // the tensors' dtype (weights, bias, residual, out)
   using XT = c10::BFloat16;  // x as the micro-kernel reads it
-  static constexpr int kMaxRows = 6;  // 6 x 4 accumulators + 6 x vectors + 1 weight vector
-  static constexpr int cols(int rows) { return rows <= 2 ? 8 : 4; }
+  // Up to 6 rows: MR x 4 accumulators + MR x vectors + 1 weight vector. 7 to 12 rows: the NR weight
+  // vectors stay in registers and each x row is loaded as it is used (8 x 3 + 3 + 1, 12 x 2 + 2 + 1),
+  // so a tree of up to 12 rows streams the weights once instead of twice.
+  static constexpr int kMaxRows = POSS_LINEAR_MAX_ROWS;
+  static constexpr int cols(int rows) { return rows <= 2 ? 8 : rows <= 6 ? 4 : rows <= 8 ? 3 : 2; }
   static constexpr bool kPrefetchNextBlock = false;  // not measured on an AVX512-BF16 CPU yet
 
   // Rows m0..m0+MR of x against weight rows n..n+NR (x rows have stride K, like the weight rows).
@@ -135,21 +142,36 @@ struct Bf16Avx512 {
     const auto* x = reinterpret_cast<const uint16_t*>(xp);
     const auto* w = reinterpret_cast<const uint16_t*>(wp);
     __m512 acc[MR][NR];
-#pragma GCC unroll 8
+#pragma GCC unroll 12
     for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 8
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
     int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-      __m512bh xv[MR];
+    if constexpr (MR > 6) {
+      for (; k + 32 <= K; k += 32) {
+        __m512bh wv[NR];
 #pragma GCC unroll 8
-      for (int i = 0; i < MR; ++i) xv[i] = (__m512bh)_mm512_loadu_si512(x + i * K + k);
-      prefetch_ahead<NR, 64, _MM_HINT_T1>(w, k, prefetch);
+        for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * K + k);
+        prefetch_ahead<NR, 64, _MM_HINT_T1>(w, k, prefetch);
+#pragma GCC unroll 12
+        for (int i = 0; i < MR; ++i) {
+          const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * K + k);
 #pragma GCC unroll 8
-      for (int j = 0; j < NR; ++j) {
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + j * K + k);
+          for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+        }
+      }
+    } else {
+      for (; k + 32 <= K; k += 32) {
+        __m512bh xv[MR];
 #pragma GCC unroll 8
-        for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv);
+        for (int i = 0; i < MR; ++i) xv[i] = (__m512bh)_mm512_loadu_si512(x + i * K + k);
+        prefetch_ahead<NR, 64, _MM_HINT_T1>(w, k, prefetch);
+#pragma GCC unroll 8
+        for (int j = 0; j < NR; ++j) {
+          const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + j * K + k);
+#pragma GCC unroll 8
+          for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv);
+        }
       }
     }
     if (k < K) {
@@ -163,7 +185,7 @@ struct Bf16Avx512 {
     }
     static_assert(NR <= 8, "store_row writes at most 8 results of a row");
     alignas(32) float sums[MR][NR];
-#pragma GCC unroll 8
+#pragma GCC unroll 12
     for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 8
       for (int j = 0; j < NR; ++j) sums[i][j] = hsum512(acc[i][j]);

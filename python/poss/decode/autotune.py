@@ -32,9 +32,9 @@ runs cannot tell close trees apart. On the last 9 MT-Bench prompts the shipped P
 4/1 and 1.56 at 4/2 over 64 tokens, 1.62 and 1.78 over 256; over 64 tokens `auto` picked 4/1, which the
 benchmark's 16 prompts x 256 tokens then ran 5 % slower than 4/2. All of it is cached as JSON under
 ``<poss cache>/autotune/`` keyed by CPU
-model, threads, dtype, target and draft fingerprints. Sizes 2 and 6 are there because a CPU's cost is
-not linear in T: the AVX2 GEMM takes up to 6 rows in one pass over the weights, so a 6-node forward
-cost 1.2x a 4-node one and a 7-node one 1.7x (bf16, 2 threads).
+model, threads, dtype, target and draft fingerprints. Sizes 2, 6 and 12 are there because a CPU's cost
+is not linear in T: the AVX2 GEMM takes up to 6 rows in one pass over the weights, so a 6-node forward
+cost 1.2x a 4-node one and a 7-node one 1.7x (bf16, 2 threads); the AVX512-BF16 one takes up to 12.
 
 Drafting costs ``first + (d - 1) * level(K) + catch_up(d)``: the first level (one row, whatever the
 tree), each further level over a beam of ``K = min(beam_width, T - 1)`` nodes (:mod:`draft_tree`
@@ -62,15 +62,15 @@ import torch
 
 from poss.decode.params import TreeParams
 
-SIZES = (1, 2, 4, 6, 8, 16, 32, 60)
+SIZES = (1, 2, 4, 6, 8, 12, 16, 32, 60)
 DEPTHS = (1, 2, 3, 4, 5, 6)
 # Calibration configs (T, d): every size and depth timed at least once, depth 2 at every beam width
 # (T - 1 = 3, 5, 7 and the full 10) and the catch-ups at the full width.
-CALIBRATION = ((1, 0), (2, 1), (4, 1), (4, 2), (6, 2), (8, 2), (16, 2), (16, 3), (32, 4), (60, 5), (60, 6))
+CALIBRATION = ((1, 0), (2, 1), (4, 1), (4, 2), (6, 2), (8, 2), (12, 3), (16, 2), (16, 3), (32, 4), (60, 5), (60, 6))
 CALIBRATION_BEAM = 10
 REFINE_TOP, REFINE_PROMPTS, REFINE_TOKENS = 3, 4, 256  # trees timed again, on how many more prompts, how long
 DEFAULT_S, DEFAULT_BETA = 1.0, 0.5
-CACHE_VERSION = 8  # bump when what is measured or its kernels change: old cache files are then ignored
+CACHE_VERSION = 9  # bump when what is measured or its kernels change: old cache files are then ignored
 
 
 @dataclass

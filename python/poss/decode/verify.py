@@ -27,9 +27,10 @@ def tree_verify(tree: Tree, logits: Tensor, sampling: Optional[SamplingTensors],
 
 # On a CPU the lm_head over all B*N tree rows is compute-bound (SmolLM2, bf16, one core: 19 ms for
 # 60 rows), while a greedy walk needs only the rows on the accepted path: one GEMM of <= B rows per
-# level, each about one pass over the weights (1.8 ms). Below this many rows the full GEMM costs
-# little more than that one pass, so the walk's extra passes do not pay. (bench/bench_lm_head_walk.py)
-LAZY_LM_HEAD_MIN_ROWS = 12
+# level, each about one pass over the weights (1.8 ms). Up to 12 rows our GEMM streams the weights
+# once (2.4 ms for 12 rows against 2.9 for a two-level walk; 3.1 against 2.8 at 13), so the walk's
+# extra passes do not pay there. (bench/bench_lm_head_walk.py, AVX512-BF16 EPYC, 2026-12-04)
+LAZY_LM_HEAD_MIN_ROWS = 13
 
 
 def walks_lazily(logits_device: torch.device, rows: int, sampling: Optional[SamplingTensors]) -> bool:
