@@ -60,8 +60,7 @@ def ours(gen, prompts: Sequence[List[int]], new: int, name: str, tree=None, kind
     finally:
         gen.profile, gen.end_ids = None, saved
     toks = sum(len(x) for x in out)
-    shape = f"{tree.num_nodes}/{tree.depth}" + (f"+{tree.lookup}" if tree.lookup else "")
-    return _row(name, kind, out, wall, tree=shape, rounds=rounds,
+    return _row(name, kind, out, wall, tree=shape_of(tree), rounds=rounds,
                 tau=(toks - len(prompts)) / max(rounds, 1), round_ms=prof, decode_seconds=decode_s)
 
 
@@ -129,7 +128,7 @@ def batch_row(gen, prompts: Sequence[List[int]], new: int, batch: int, name: str
     finally:
         gen.end_ids, gen.speculate_max_batch = saved
     rounds = max(s.rounds for s in res.stats)
-    return _row(name, kind, res.token_ids, wall, tree=f"{tree.num_nodes}/{tree.depth}", batch=batch, rounds=rounds,
+    return _row(name, kind, res.token_ids, wall, tree=shape_of(tree), batch=batch, rounds=rounds,
                 tau=sum(s.tau for s in res.stats) / len(res.stats), speculate_max_batch=resolved)
 
 
@@ -150,14 +149,14 @@ def compiled_rows(gen, prompts, new: int, draft_name: str, auto: Optional[Dict],
     log(f"  {rows[0]['name']}: {rows[0]['tokens_per_s']:.1f} tok/s (compiled in {rows[0]['compile_seconds']:.0f} s)")
     folder = next((f for f in shipped_drafts("smollm2-135m") if f.name == draft_name), None)
     if folder is not None and auto is not None:
-        T, d = tree_of(auto["tree"])
+        T, d, K = auto["params"]
         if d:
             gen.draft = PosSDraft.load(folder, dtype=gen.runner.dtype).attach(gen.runner, 1, 256)
             gen.draft.step = torch.compile(gen.draft.step, mode=None)
-            tree = TreeParams(num_nodes=T, depth=d)
+            tree = TreeParams(num_nodes=T, depth=d, lookup=K)
             for p in prompts[:2]:
                 gen.generate([p], 8, tree=tree)
-            r = ours(gen, prompts, new, f"{draft_name} auto (= {T}/{d}), torch.compile", tree, "draft")
+            r = ours(gen, prompts, new, f"{draft_name} auto (= {shape_of(tree)}), torch.compile", tree, "draft")
             r["draft"] = draft_name
             rows.append(r)
             log(f"  {r['name']}: {r['tokens_per_s']:.1f} tok/s, tau {r['tau']:.2f}")
@@ -250,7 +249,8 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
         t = time.perf_counter()
         cal = calibrate(gen)
         auto = choose(cal)
-        out["auto"][folder.name] = {"tree": f"{auto.num_nodes}/{auto.depth}", "calibration": cal.to_json(),
+        out["auto"][folder.name] = {"tree": shape_of(auto), "params": [auto.num_nodes, auto.depth, auto.lookup],
+                                    "calibration": cal.to_json(),
                                     "calibration_seconds": time.perf_counter() - t,
                                     "top": score_table(cal)[:6]}
         measured = {}
@@ -261,8 +261,8 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
             measured[(T, d)] = r
             log(f"  {r['name']}: {r['tokens_per_s']:.1f} tok/s, tau {r['tau']:.2f}")
         key = (auto.num_nodes, auto.depth)
-        name = f"{folder.name} auto (= {auto.num_nodes}/{auto.depth})"
-        if key in measured or auto.depth == 0:
+        name = f"{folder.name} auto (= {shape_of(auto)})"
+        if not auto.lookup and (key in measured or auto.depth == 0):
             # The same configuration was timed in this run (root-only = our AR loop's code path): reuse it.
             same = measured.get(key, ar)
             r = {**{k: v for k, v in same.items() if k != "bandwidth"}, "name": name, "kind": "draft",
@@ -279,7 +279,7 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
         if sweep is not None and (T or sweep_draft in out["auto"]):
             name = f"{sweep_draft} {T}/{d}"
             if not T:
-                T, d = tree_of(out["auto"][sweep_draft]["tree"])
+                T, d, _ = out["auto"][sweep_draft]["params"]
                 name = f"{sweep_draft} auto (= {T}/{d})"
             gen.draft = sweep
             r = ours(gen, prompts, new, f"{name} + lookup {K}", TreeParams(num_nodes=T, depth=d, lookup=K), "draft")
@@ -296,11 +296,11 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
         log(f"  {rows[-1]['name']}: {rows[-1]['tokens_per_s']:.1f} tok/s")
         folder = next((f for f in shipped_drafts("smollm2-135m") if f.name == sweep_draft), None)
         if folder is not None and sweep_draft in out["auto"]:
-            T, d = tree_of(out["auto"][sweep_draft]["tree"])
+            T, d, K = out["auto"][sweep_draft]["params"]
             gen.draft = PosSDraft.load(folder, dtype=dt).attach(gen.runner, 1, 256)
-            tree = TreeParams(num_nodes=T, depth=d)
-            rows.append(batch_row(gen, batch_prompts, new, B, f"{sweep_draft} auto (= {T}/{d}), batch {B}", tree,
-                                  "draft"))
+            tree = TreeParams(num_nodes=T, depth=d, lookup=K)
+            rows.append(batch_row(gen, batch_prompts, new, B, f"{sweep_draft} auto (= {shape_of(tree)}), batch {B}",
+                                  tree, "draft"))
             log(f"  {rows[-1]['name']}: {rows[-1]['tokens_per_s']:.1f} tok/s")
             # What poss.load gives: plain rounds above the measured batch limit.
             rows.append(batch_row(gen, batch_prompts, new, B, f"{sweep_draft} auto, batch {B}, speculation limit auto",
@@ -332,6 +332,11 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
     out["wall_seconds"] = time.perf_counter() - t0
     out["loadavg_end"] = os.getloadavg()
     return out
+
+
+def shape_of(tree) -> str:
+    """``"T/d"``, or ``"T/d+K"`` with a K-token lookup chain."""
+    return f"{tree.num_nodes}/{tree.depth}" + (f"+{tree.lookup}" if tree.lookup else "")
 
 
 def lookup_of(spec: str):

@@ -173,19 +173,65 @@ def test_refine_pools_the_best_trees_tau_over_more_prompts(monkeypatch):
 
     def fake_time(gen, prompts, new_tokens, configs):
         asked.append((len(prompts), list(configs)))
-        return {}, {}, {k: ([380, 190] if k == (4, 2) else [300, 200]) for k in configs}
+        return {}, {}, {k: ([380, 190, 570] if k == (4, 2) else [300, 200, 600]) for k in configs}
 
     monkeypatch.setattr(autotune, "time_configs", fake_time)
 
     class Gen:
         draft = object()
 
-    r = autotune.refine(Gen(), c, ["p"] * 6, 64)
-    assert asked == [(6, top)]
+    r = autotune.refine(Gen(), c, ["p"] * 6, 64, lookup=0)
+    assert asked == [(6, top)] and r.lookup == []
     taus = {(T, d): tau for T, d, tau in r.measured_tau}
     assert taus[(4, 2)] == (152 + 380) / (100 + 190) and taus[(4, 1)] == (147 + 300) / (100 + 200)
     assert r.verify_ms == c.verify_ms and r.draft_ms == c.draft_ms
     assert choose(r) == TreeParams(4, 2)
+
+
+def refined_with_chains(monkeypatch, gain: float, rows_per_round: float):
+    """The calibration of the test above refined with 4-token chains whose tau is ``gain`` x their plain
+    tree's over ``rows_per_round`` rows; returns it and the configs timed."""
+    c = cal({1: 10.0, 2: 10.2, 4: 10.5, 6: 13.0, 8: 16.0, 16: 25.0, 32: 45.0, 60: 80.0},
+            [(2, 1, 1.0), (4, 1, 1.0), (4, 2, 2.0)], [0.6, 0.5, 0.5], s=0.6, beta=0.2)
+    c.rounds = [(2, 1, 133, 100), (4, 1, 147, 100), (4, 2, 152, 100)]
+    c.measured_tau = [(T, d, n / r) for T, d, n, r in c.rounds]
+    asked = []
+
+    def fake_time(gen, prompts, new_tokens, configs):
+        asked.append(list(configs))
+        return {}, {}, {k: ([int(300 * gain), 200, int(200 * (rows_per_round - 1))] if len(k) == 3
+                            else [300, 200, 200 * (k[0] - 1)]) for k in configs}
+
+    monkeypatch.setattr(autotune, "time_configs", fake_time)
+
+    class Gen:
+        draft = object()
+
+    return autotune.refine(Gen(), c, ["p"] * 4, 64, lookup=4), asked[0]
+
+
+def test_refine_times_the_best_trees_and_the_2_node_tree_with_a_chain(monkeypatch):
+    r, asked = refined_with_chains(monkeypatch, 1.5, 5.0)
+    plain = [c for c in asked if len(c) == 2]
+    top2 = plain[:autotune.LOOKUP_TREES]
+    assert (2, 1) in plain and len(plain) == len(set(plain))
+    assert [c for c in asked if len(c) == 3] == [(T, d, 4) for T, d in dict.fromkeys(top2 + [(2, 1)])]
+    assert sorted(r.lookup) == sorted((T, d, 4, 1.5, 5.0) for T, d in dict.fromkeys(top2 + [(2, 1)]))
+
+
+def test_a_chain_that_pays_is_chosen_one_that_only_adds_rows_is_not(monkeypatch):
+    r, _ = refined_with_chains(monkeypatch, 1.0, 5.0)  # same tau, more rows: never better
+    assert choose(r).lookup == 0
+    r, _ = refined_with_chains(monkeypatch, 2.0, 6.0)
+    # By hand: refining pools 300 tokens in 200 rounds into every plain tree, so 4/1 makes (147 + 300) /
+    # 300 = 1.49 tokens a round, 4/2 1.507, 2/1 1.443; a chain doubles that over 6 rows: verify(6) =
+    # 13.0 ms plus 1.0 ms of drafting at depth 1 (2.0 at depth 2). 4/1 + 4: 2.98 / 14 ms = 213 tokens/s;
+    # 2/1 + 4: 206; 4/2 + 4: 201; the best plain tree, 4/2: 1.507 / 12.5 ms = 121.
+    best = choose(r)
+    assert (best.num_nodes, best.depth, best.lookup) == (4, 1, 4)
+    row = score_table(r)[0]
+    assert row["tokens_per_round"] == pytest.approx(2.0 * 447 / 300)
+    assert row["ms_per_round"] == pytest.approx(13.0 + 1.0)
 
 
 def test_refinement_times_only_the_contenders_again(target, tmp_path, monkeypatch):
@@ -195,7 +241,11 @@ def test_refinement_times_only_the_contenders_again(target, tmp_path, monkeypatc
     c = autotune.calibrate(gen, new_tokens=12, prompts=PROMPTS[:1], more_prompts=PROMPTS[1:3], more_tokens=20)
     tokens = {(T, d): n for T, d, n, _ in c.rounds}
     again = sorted(k for k, n in tokens.items() if n != 11)  # 11 tokens a prompt after the first
-    assert len(again) == autotune.REFINE_TOP and all(tokens[k] in (2 * 19, 11 + 2 * 19) for k in again)
+    assert (2, 1) in again and len(again) in (autotune.REFINE_TOP, autotune.REFINE_TOP + 1)  # + the chains' base
+    assert all(tokens[k] in (2 * 19, 11 + 2 * 19) for k in again)
+    assert {(T, d) for T, d, K, _, _ in c.lookup} <= set(again) and (2, 1, autotune.LOOKUP_TOKENS) in [
+        x[:3] for x in c.lookup]
+    assert all(ratio > 0 and 1 <= rows <= T + autotune.LOOKUP_TOKENS for T, d, K, ratio, rows in c.lookup)
     assert c.key["n_prompts"] == 1 and c.key["n_more_prompts"] == 2
     assert {(T, d): n / r for T, d, n, r in c.rounds} == {(T, d): tau for T, d, tau in c.measured_tau}
 

@@ -106,6 +106,13 @@ def test_greedy_with_lookup_matches_hf(target, draft):
         assert got == hf_greedy(target, p, 96)
     # the random draft alone accepts at most 2 per round: longer accepted paths came from the lookup
     assert any(k > 2 and c for s in res.stats for k, c in enumerate(s.accept_hist))
+    # draft_tokens counts the rows past the root: the drafted ones every round, a chain only where it matched
+    drafted = 5 if draft else 0
+    assert all(drafted * s.rounds <= s.draft_tokens <= (drafted + 6) * s.rounds for s in res.stats)
+    assert any(s.draft_tokens > drafted * s.rounds for s in res.stats)
+    if draft:
+        plain = gen.generate(prompts[:1], 16, tree=TreeParams(num_nodes=6, depth=2, beam_width=4)).stats[0]
+        assert plain.draft_tokens == 5 * plain.rounds
 
 
 @pytest.mark.parametrize("draft", [True, False], ids=["poss-n3-plus-lookup", "lookup-only"])

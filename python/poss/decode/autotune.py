@@ -21,6 +21,14 @@ tokens a round against 1.35 measured, and would have picked it over 4/1). The ch
 root-only tree (T = 1, d = 0: plain autoregressive
 decoding), which wins when the draft is too weak or the machine makes a tree forward too expensive.
 
+Prompt lookup (:mod:`poss.decode.lookup`) is a third choice, ``K`` tokens copied from the context
+into each round's tree. Its gain depends on how much the text repeats, which no draft accuracy
+predicts, so :func:`refine` measures it: the two best trees and the 2-node tree, each with and without
+a :data:`LOOKUP_TOKENS`-token chain on the same prompts. A chained tree is scored with its plain
+tree's tau times the measured ratio, at the verify cost of the rows it actually had per round (a
+chain joins a round only where the context holds a match). On the MT-Bench answers of SmolLM2-135M
+the 2-node tree with 4 looked-up tokens beat the best plain tree by 21 % (benchmarks.md).
+
 Costs are timed once (:func:`calibrate`) by greedy generation with the generator's own profile on
 MT-Bench prompts (by default three prompts, 64 tokens each per config, interleaved; lower quartile per
 round: the fitted acceptance needs text, since one prompt's first 32 tokens gave the shipped PosS-2 a
@@ -69,6 +77,8 @@ DEPTHS = (1, 2, 3, 4, 5, 6)
 CALIBRATION = ((1, 0), (2, 1), (4, 1), (4, 2), (6, 2), (8, 2), (12, 3), (16, 2), (16, 3), (32, 4), (60, 5), (60, 6))
 CALIBRATION_BEAM = 10
 REFINE_TOP, REFINE_PROMPTS, REFINE_TOKENS = 3, 4, 256  # trees timed again, on how many more prompts, how long
+LOOKUP_TOKENS = 4  # the chain refine tries: 2-6 tokens on 2- to 6-node trees, 4 was fastest (2026-12-04)
+LOOKUP_TREES = 2  # the best trees refine also times with the chain (besides the 2-node tree)
 DEFAULT_S, DEFAULT_BETA = 1.0, 0.5
 CACHE_VERSION = 9  # bump when what is measured or its kernels change: old cache files are then ignored
 
@@ -84,6 +94,8 @@ class Calibration:
     beta: float = DEFAULT_BETA
     measured_tau: List[Tuple[int, int, float]] = field(default_factory=list)  # (T, d, tau)
     rounds: List[Tuple[int, int, int, int]] = field(default_factory=list)  # (T, d, tokens, rounds) behind tau
+    # (T, d, K, tau with a K-token lookup chain / tau of the plain T/d tree on the same prompts, rows per round)
+    lookup: List[Tuple[int, int, int, float, float]] = field(default_factory=list)
     key: Dict = field(default_factory=dict)
 
     def to_json(self) -> Dict:
@@ -96,6 +108,7 @@ class Calibration:
         d["draft_ms"] = [tuple(x) for x in d["draft_ms"]]
         d["measured_tau"] = [tuple(x) for x in d.get("measured_tau", [])]
         d["rounds"] = [tuple(x) for x in d.get("rounds", [])]
+        d["lookup"] = [tuple(x) for x in d.get("lookup", [])]
         return cls(**d)
 
 
@@ -179,23 +192,33 @@ def candidates(sizes=SIZES, depths=DEPTHS) -> List[Tuple[int, int]]:
 
 def score_table(cal: Calibration, beam_width: int = 10, sizes=SIZES, depths=DEPTHS) -> List[Dict]:
     """Every candidate ``(T, d)`` with its tokens per round (``measured``: the calibration's tau, else
-    the fitted model's), ms per round and tokens/s, best first."""
+    the fitted model's), ms per round and tokens/s, and each timed lookup chain on its tree
+    (``lookup`` = K, 0 for none), best first (ties: the smaller tree, then no chain)."""
     timed = {(T, d): tau for T, d, tau in cal.measured_tau}
-    rows = []
+    rows, plain = [], {}
     for T, d in candidates(sizes, depths):
         measured = (T, d) in timed and beam(T, beam_width) == beam(T, CALIBRATION_BEAM)
         e = timed[(T, d)] if measured else expected_tokens(cal.acc, T, d, beam_width, cal.s, cal.beta)
         ms = round_ms(cal, T, d, beam_width)
-        rows.append({"num_nodes": T, "depth": d, "tokens_per_round": e, "measured": measured, "ms_per_round": ms,
-                     "tokens_per_s": 1e3 * e / ms})
-    rows.sort(key=lambda r: (-r["tokens_per_s"], r["num_nodes"], r["depth"]))
+        plain[(T, d)] = e
+        rows.append({"num_nodes": T, "depth": d, "lookup": 0, "tokens_per_round": e, "measured": measured,
+                     "ms_per_round": ms, "tokens_per_s": 1e3 * e / ms})
+    for T, d, K, ratio, per_round in cal.lookup:
+        if (T, d) not in plain or beam(T, beam_width) != beam(T, CALIBRATION_BEAM):
+            continue  # timed at another beam width: its ratio does not carry over
+        e = plain[(T, d)] * ratio
+        ms = interpolate(cal.verify_ms, per_round) + draft_ms(cal, T, d, beam_width)
+        rows.append({"num_nodes": T, "depth": d, "lookup": K, "tokens_per_round": e, "measured": True,
+                     "ms_per_round": ms, "tokens_per_s": 1e3 * e / ms})
+    rows.sort(key=lambda r: (-r["tokens_per_s"], r["num_nodes"], r["depth"], r["lookup"]))
     return rows
 
 
 def choose(cal: Calibration, beam_width: int = 10, sizes=SIZES, depths=DEPTHS) -> TreeParams:
     """The ``TreeParams`` with the highest expected tokens/s (ties: the smaller tree)."""
     best = score_table(cal, beam_width, sizes, depths)[0]
-    return TreeParams(num_nodes=best["num_nodes"], depth=best["depth"], beam_width=beam_width)
+    return TreeParams(num_nodes=best["num_nodes"], depth=best["depth"], beam_width=beam_width,
+                      lookup=best["lookup"])
 
 
 def fit_acceptance(acc: Sequence[float], measured: Sequence[Tuple[int, int, float]],
@@ -314,13 +337,14 @@ def _low(xs: Sequence[float]) -> float:
 
 def time_configs(gen, prompts: Sequence, new_tokens: int, configs) -> Tuple[Dict, Dict, Dict]:
     """Greedy generation (batch 1) of every ``(T, d)`` of ``configs`` on every prompt, interleaved per
-    prompt (a load spike on a shared machine hits all of them alike). Returns the per-round seconds of
-    everything but drafting by T, of drafting by (T, d), and ``(tokens, rounds)`` by (T, d)."""
+    prompt (a load spike on a shared machine hits all of them alike); a config ``(T, d, K)`` adds a
+    K-token lookup chain. Returns the per-round seconds of everything but drafting by T, of drafting by
+    (T, d) (both from the plain configs only), and ``[tokens, rounds, draft tokens]`` by config."""
     from tqdm import tqdm
 
     verify: Dict[int, List[float]] = {}
     draft: Dict[Tuple[int, int], List[float]] = {}
-    counts = {c: [0, 0] for c in configs}  # tokens after the first, rounds
+    counts = {c: [0, 0, 0] for c in configs}  # tokens after the first, rounds, nodes past the roots
     saved_end, saved_profile = gen.end_ids, gen.profile
     gen.end_ids = set()  # every request runs its full length
     # disable=None: a bar on a terminal only (the first `poss generate` on a machine waits here).
@@ -329,12 +353,16 @@ def time_configs(gen, prompts: Sequence, new_tokens: int, configs) -> Tuple[Dict
     try:
         gen.generate([prompts[0]], 4, num_nodes=60, depth=6 if gen.draft else 0)  # warm-up
         for p in prompts:
-            for T, d in configs:
+            for c in configs:
+                T, d, K = (*c, 0)[:3]
                 bar.update()
                 gen.profile = {}
-                res = gen.generate([p], new_tokens, num_nodes=T, depth=d, beam_width=CALIBRATION_BEAM)
-                counts[(T, d)][0] += res.stats[0].tokens - 1  # the prefill makes the first token
-                counts[(T, d)][1] += res.stats[0].rounds
+                res = gen.generate([p], new_tokens, num_nodes=T, depth=d, beam_width=CALIBRATION_BEAM, lookup=K)
+                counts[c][0] += res.stats[0].tokens - 1  # the prefill makes the first token
+                counts[c][1] += res.stats[0].rounds
+                counts[c][2] += res.stats[0].draft_tokens
+                if K:
+                    continue  # a chain's rows vary per round: the costs come from the plain trees
                 prof = gen.profile
                 phases = zip(*(prof.get(k, []) for k in ("verify", "commit", "host")))
                 verify.setdefault(T, []).extend(sum(x) for x in phases)
@@ -358,7 +386,7 @@ def measure(gen, prompts: Sequence, new_tokens: int = 32, configs=CALIBRATION) -
     the lower quartile of its per-round times."""
     configs = [(T, d) for T, d in configs if gen.draft is not None or not d]
     verify, draft, counts = time_configs(gen, prompts, new_tokens, configs)
-    rounds = [(T, d, n, r) for (T, d), (n, r) in counts.items() if d]
+    rounds = [(T, d, n, r) for (T, d), (n, r, _) in counts.items() if d]
     acc = draft_accuracy(gen.draft) if gen.draft is not None else [0.0]
     taus, s, beta = _fit(acc, rounds)
     return Calibration({k: 1e3 * _low(v) for k, v in verify.items()},
@@ -366,22 +394,32 @@ def measure(gen, prompts: Sequence, new_tokens: int = 32, configs=CALIBRATION) -
 
 
 def refine(gen, cal: Calibration, prompts: Sequence, new_tokens: int = REFINE_TOKENS,
-           top: int = REFINE_TOP) -> Calibration:
+           top: int = REFINE_TOP, lookup: int = LOOKUP_TOKENS) -> Calibration:
     """``cal`` with the tau of its ``top`` best speculative trees (by :func:`score_table`) pooled over
     ``prompts`` too: tokens and rounds add up, and the acceptance model is fitted again. The costs stay
-    the first stage's (they vary less from prompt to prompt than tau does)."""
-    contenders = [(r["num_nodes"], r["depth"]) for r in score_table(cal) if r["depth"]][:top]
+    the first stage's (they vary less from prompt to prompt than tau does). With ``lookup`` > 0 the
+    :data:`LOOKUP_TREES` best and the 2-node tree are also timed with a ``lookup``-token chain, and
+    each chain's tau ratio over its plain tree (same prompts) and rows per round are kept."""
+    contenders = [(r["num_nodes"], r["depth"]) for r in score_table(cal) if r["depth"] and not r["lookup"]][:top]
     if gen.draft is None or not contenders or not prompts:
         return cal
-    _, _, counts = time_configs(gen, prompts, new_tokens, contenders)
+    chained = list(dict.fromkeys(contenders[:LOOKUP_TREES] + [(2, 1)])) if lookup else []
+    plain = list(dict.fromkeys(contenders + chained))
+    _, _, counts = time_configs(gen, prompts, new_tokens, plain + [(T, d, lookup) for T, d in chained])
     pooled = {(T, d): [n, r] for T, d, n, r in cal.rounds}
-    for c, (n, r) in counts.items():
+    for c in plain:
+        n, r, _ = counts[c]
         pooled.setdefault(c, [0, 0])
         pooled[c][0] += n
         pooled[c][1] += r
     rounds = [(T, d, n, r) for (T, d), (n, r) in pooled.items()]
     taus, s, beta = _fit(cal.acc, rounds)
-    return Calibration(cal.verify_ms, cal.draft_ms, cal.acc, s, beta, taus, rounds, cal.key)
+    chains = []
+    for T, d in chained:
+        (n0, r0, _), (n, r, nodes) = counts[(T, d)], counts[(T, d, lookup)]
+        if n0 and r and r0:
+            chains.append((T, d, lookup, round((n / r) / (n0 / r0), 4), round(1 + nodes / r, 3)))
+    return Calibration(cal.verify_ms, cal.draft_ms, cal.acc, s, beta, taus, rounds, chains, cal.key)
 
 
 def calibrate(gen, n_prompts: int = 3, new_tokens: int = 64, refresh: bool = False, cache: bool = True,
@@ -434,10 +472,11 @@ def measure_batches(gen, tree: TreeParams, prompt: Sequence[int], batches: Seque
     try:
         for B in batches:
             rates = []
-            for T, d in ((1, 0), (tree.num_nodes, tree.depth)):
-                gen.generate([prompt] * B, 2, num_nodes=T, depth=d, beam_width=tree.beam_width)  # warm-up
+            for T, d, K in ((1, 0, 0), (tree.num_nodes, tree.depth, tree.lookup)):
+                kw = dict(num_nodes=T, depth=d, beam_width=tree.beam_width, lookup=K)
+                gen.generate([prompt] * B, 2, **kw)  # warm-up
                 gen.profile = {}
-                res = gen.generate([prompt] * B, new_tokens, num_nodes=T, depth=d, beam_width=tree.beam_width)
+                res = gen.generate([prompt] * B, new_tokens, **kw)
                 seconds = sum(sum(v) for v in gen.profile.values())
                 rates.append(sum(s.tokens - 1 for s in res.stats) / max(seconds, 1e-9))
             out[B] = (rates[0], rates[1])
@@ -466,7 +505,8 @@ def speculation_limit(gen, tree: TreeParams, max_batch: Optional[int] = None, re
     if gen.draft is None or tree.depth == 0 or tree.num_nodes == 1 or max_batch == 1:
         return None
     batches = sorted({b for b in BATCHES if max_batch is None or b < max_batch} | ({max_batch} - {None}))
-    key = {**cache_key(gen), "batch_limit_for": [tree.num_nodes, tree.depth, tree.beam_width], "batches": batches}
+    key = {**cache_key(gen), "batch_limit_for": [tree.num_nodes, tree.depth, tree.beam_width]
+           + ([tree.lookup] if tree.lookup else []), "batches": batches}
     path = cache_path(key)
     if cache and not refresh and path.exists():
         try:

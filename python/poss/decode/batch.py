@@ -32,6 +32,7 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     generated: List[int] = field(default_factory=list)
     accept_hist: List[int] = field(default_factory=list)  # [k]: rounds that accepted k draft tokens
+    draft_tokens: int = 0  # tree nodes proposed past the root, over all rounds (drafted and looked up)
     finished: bool = False
     finish_reason: Optional[str] = None
     seconds: float = 0.0

@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser, chat: bool) -> None:
     t.add_argument("--depth", type=int_or_auto(0), default="auto", help="draft positions below the root")
     t.add_argument("--beam-width", "--top-k-draft", dest="beam_width", type=int_at_least(1), default=10,
                    help="children kept per frontier node and frontier size per level")
-    t.add_argument("--lookup", type=int_at_least(0), default=0, help=LOOKUP_HELP)
+    t.add_argument("--lookup", type=int_or_auto(0), default="auto", help=LOOKUP_HELP)
     t.add_argument("--retune", action="store_true", help=RETUNE_HELP)
 
 
@@ -118,7 +118,7 @@ def _options(args):
     options = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, tree=tree, stop=args.stop)
     if tree == "auto":
         options["beam_width"] = args.beam_width
-        if args.lookup:
+        if args.lookup != "auto":
             options["lookup"] = args.lookup
     return options
 

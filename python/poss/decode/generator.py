@@ -27,7 +27,8 @@ Prompt = Union[str, List[dict], List[int]]
 class Stats:
     """Per prompt: generated ``tokens`` (end token included), verify ``rounds``, ``tau`` = mean tokens
     per round (accepted draft tokens + 1), ``accept_hist[k]`` = rounds that accepted k draft tokens,
-    ``seconds`` from the call's start to this request's end."""
+    ``seconds`` from the call's start to this request's end, ``draft_tokens`` = tree nodes proposed
+    past the root over all rounds (so ``1 + draft_tokens / rounds`` rows were verified per round)."""
 
     tokens: int
     rounds: int
@@ -35,6 +36,7 @@ class Stats:
     accept_hist: List[int]
     seconds: float
     finish_reason: str
+    draft_tokens: int = 0
 
 
 @dataclass
@@ -53,7 +55,8 @@ def request_stats(r: Request) -> Stats:
     """The :class:`Stats` of a request so far."""
     rounds = sum(r.accept_hist)
     tau = sum((k + 1) * c for k, c in enumerate(r.accept_hist)) / rounds if rounds else 0.0
-    return Stats(len(r.generated), rounds, tau, list(r.accept_hist), r.seconds, r.finish_reason or "")
+    return Stats(len(r.generated), rounds, tau, list(r.accept_hist), r.seconds, r.finish_reason or "",
+                 r.draft_tokens)
 
 
 def check_speculate_max_batch(limit):
@@ -203,7 +206,7 @@ class Generator:
             return limit
         if self.draft is None:
             return None
-        key = (id(self.draft), tree.num_nodes, tree.depth, tree.beam_width)
+        key = (id(self.draft), tree.num_nodes, tree.depth, tree.beam_width, tree.lookup)
         if key not in self._limits:
             from poss.decode.autotune import speculation_limit
 
@@ -321,6 +324,8 @@ class Generator:
             tree = add_lookup(tree, [r.prompt + r.generated for r in batch.requests], lookup)
         t = self._record("draft", t)
         N = tree.tokens.shape[1]
+        for r in batch.requests:
+            r.draft_tokens += N - 1
         uniforms = (uniforms or self._uniforms)(batch.size, N) if batch.sampling is not None else None
         nodes, acc, nxt, features = verify(self.runner, batch, tree, uniforms)
         t = self._record("verify", t)

@@ -45,7 +45,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int_or_auto(0), default="auto", help="draft positions below the root")
     p.add_argument("--beam-width", "--top-k-draft", dest="beam_width", type=int_at_least(1), default=10,
                    help="draft candidates kept per tree level")
-    p.add_argument("--lookup", type=int_at_least(0), default=0, help=LOOKUP_HELP)
+    p.add_argument("--lookup", type=int_or_auto(0), default="auto", help=LOOKUP_HELP)
     p.add_argument("--speculate-max-batch", type=int_or_auto(1, words=("auto", "off")), default="auto",
                    help="speculate only while at most this many requests are live; larger batches decode "
                         "plainly (auto: measured once on this machine; off: always speculate)")
@@ -87,7 +87,8 @@ def run_serve(args) -> int:
     try:
         gen = load(args.target, draft=draft, dtype=args.dtype, device=args.device, retune=args.retune)
         tree = gen.resolve_tree(tree_from_flags(args.num_nodes, args.depth, args.beam_width, args.lookup),
-                                beam_width=args.beam_width, lookup=args.lookup)
+                                beam_width=args.beam_width,
+                                **({} if args.lookup == "auto" else {"lookup": args.lookup}))
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"poss serve: {exc}", file=sys.stderr)
         return 2
