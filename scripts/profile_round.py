@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-GROUPS = (("GEMM", ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm")),
+GROUPS = (("GEMM", ("poss::linear", "aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm")),
           ("tree attention", ("poss::tree_attention",)),
           ("other poss ops", ("poss::",)))
 
@@ -57,7 +57,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--draft", default=None, help="draft folder (default: the shipped PosS draft)")
-    ap.add_argument("--trees", nargs="+", default=["1/0", "8/3", "16/4", "60/6"], help="nodes/depth")
+    ap.add_argument("--trees", nargs="+", default=["1/0", "8/3", "16/4", "60/6"],
+                    help="nodes/depth, or nodes/depth+K with a K-token prompt-lookup chain")
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default="auto")
@@ -80,13 +81,14 @@ def main(argv=None) -> int:
     lines = [f"{hardware.header(dtype, a.threads)}; draft `{Path(draft).name if draft else 'none'}`, batch 1, "
              f"{a.new} new tokens, one MT-Bench prompt", "", head, "|" + "---|" * (head.count("|") - 1)]
     for spec in a.trees:
-        T, d = (int(x) for x in spec.split("/"))
-        tree = TreeParams(num_nodes=T, depth=d)
+        shape, _, k = spec.partition("+")
+        T, d = (int(x) for x in shape.split("/"))
+        tree = TreeParams(num_nodes=T, depth=d, lookup=int(k or 0))
         gen.generate([prompt], 8, tree=tree)  # warm-up at this shape
         p = phases(gen, prompt, a.new, tree)
         shares = op_shares(gen, prompt, min(a.new, 24), tree)
         ms = [p["ms"].get(k, 0.0) for k in ("draft", "verify", "commit", "host")]
-        lines.append(f"| {T}/{d} | {p['tau']:.2f} | {p['tokens_per_s']:.1f} | "
+        lines.append(f"| {spec} | {p['tau']:.2f} | {p['tokens_per_s']:.1f} | "
                      + " | ".join(f"{x:.1f}" for x in ms) + f" | {sum(ms):.1f} | "
                      + " | ".join(f"{100 * shares.get(g, 0.0):.0f}"
                                   for g in [g for g, _ in GROUPS] + ["everything else"])

@@ -1,0 +1,87 @@
+"""Time a list of trees, prompt-lookup chains included, against our AR loop, alternated in one process.
+
+    PYTHONPATH=.:python python scripts/tree_sweep.py --trees 4/1+4 3/1+6 6/2+4 --prompts 8 --repeats 3
+
+Each repeat times our AR loop and then every tree (``NODES/DEPTH`` or ``NODES/DEPTH+K``) on the same
+MT-Bench first turns, greedy, batch 1, ``--new`` tokens each (end tokens ignored), with the shipped
+draft ``--draft``. The table gives, per tree, the median over repeats of tokens/s and of its ratio to
+the AR loop of the same repeat (a shared machine drifts between repeats, less within one), the spread
+of that ratio, tau and the ms per round. It is for ranking trees close to each other: ``auto``
+(:mod:`poss.decode.autotune`) times only its own candidates.
+"""
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+
+def parse_tree(spec: str):
+    """``"4/1+4"`` -> ``TreeParams(4, 1, lookup=4)``; ValueError for anything else."""
+    from poss.decode.params import TreeParams
+
+    shape, _, k = spec.partition("+")
+    nodes, depth = (int(x) for x in shape.split("/"))
+    return TreeParams(num_nodes=nodes, depth=depth, lookup=int(k or 0))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trees", nargs="+", required=True, metavar="N/D[+K]")
+    ap.add_argument("--draft", default="poss2", help="a shipped draft folder name")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="auto")
+    a = ap.parse_args(argv)
+    try:
+        trees = [parse_tree(t) for t in a.trees]
+    except ValueError as e:
+        ap.error(f"--trees: expected NODES/DEPTH or NODES/DEPTH+K such as 4/1+4, got {a.trees} ({e})")
+    import poss
+    from bench_e2e import ours, shape_of
+    from poss import hardware
+    from poss.data.eval_sets import load_eval_set
+    from poss.models.draft import PosSDraft
+    from poss.models.registry import shipped_drafts
+
+    torch.set_num_threads(a.threads)
+    dt = hardware.resolve_dtype(a.dtype)
+    folder = next((f for f in shipped_drafts("smollm2-135m") if f.name == a.draft), None)
+    if folder is None:
+        ap.error(f"--draft: no shipped draft named {a.draft!r}")
+    gen = poss.load("smollm2-135m", dtype=dt)
+    draft = PosSDraft.load(folder, dtype=dt).attach(gen.runner, 1, 256)
+    prompts = [gen.encode(r["turns"][0]) for r in load_eval_set("mt_bench")[:a.prompts]]
+    runs = {shape_of(t): [] for t in trees}
+    ar_rates = []
+    for rep in range(a.repeats):
+        gen.draft = None
+        ar = ours(gen, prompts, a.new, "our AR loop")["tokens_per_s"]
+        ar_rates.append(ar)
+        gen.draft = draft
+        for t in trees:
+            r = ours(gen, prompts, a.new, shape_of(t), t, "draft")
+            runs[shape_of(t)].append((r["tokens_per_s"], r["tokens_per_s"] / ar, r["tau"], r["round_ms"]))
+            print(f"repeat {rep + 1}: {shape_of(t)} {r['tokens_per_s']:.1f} tok/s = {r['tokens_per_s'] / ar:.2f}x AR "
+                  f"({ar:.1f})", file=sys.stderr, flush=True)
+    print(f"{hardware.header(dt, a.threads)}; draft `{a.draft}`, {a.prompts} MT-Bench prompts x {a.new} new tokens, "
+          f"batch 1, greedy, {a.repeats} repeats; our AR loop {statistics.median(ar_rates):.1f} tok/s (median)\n")
+    print("| tree | tok/s | x our AR (median, min-max) | tau | ms per round: draft / verify / commit |")
+    print("|---|---|---|---|---|")
+    for name, rs in sorted(runs.items(), key=lambda kv: -statistics.median(x[1] for x in kv[1])):
+        ratios = [x[1] for x in rs]
+        ms = {k: statistics.median(x[3].get(k, 0.0) for x in rs) for k in ("draft", "verify", "commit")}
+        print(f"| {name} | {statistics.median(x[0] for x in rs):.1f} | {statistics.median(ratios):.2f} "
+              f"({min(ratios):.2f}-{max(ratios):.2f}) | {rs[0][2]:.2f} | "
+              f"{ms['draft']:.1f} / {ms['verify']:.1f} / {ms['commit']:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
