@@ -147,6 +147,8 @@ struct Bf16Avx512 {
 #pragma GCC unroll 8
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
     int64_t k = 0;
+    // The two loop orders differ in what stays in registers: the NR weight vectors (7-12 rows, whose
+    // x vectors would not fit) or the MR x vectors (up to 6 rows, each weight vector used once).
     if constexpr (MR > 6) {
       for (; k + 32 <= K; k += 32) {
         __m512bh wv[NR];
