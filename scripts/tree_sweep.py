@@ -24,9 +24,9 @@ def parse_tree(spec: str):
     """``"4/1+4"`` -> ``TreeParams(4, 1, lookup=4)``; ValueError for anything else."""
     from poss.decode.params import TreeParams
 
-    shape, _, k = spec.partition("+")
+    shape, plus, k = spec.partition("+")
     nodes, depth = (int(x) for x in shape.split("/"))
-    return TreeParams(num_nodes=nodes, depth=depth, lookup=int(k or 0))
+    return TreeParams(num_nodes=nodes, depth=depth, lookup=int(k) if plus else 0)
 
 
 def main(argv=None) -> int:
