@@ -26,8 +26,9 @@ into each round's tree. Its gain depends on how much the text repeats, which no 
 predicts, so :func:`refine` measures it: the two best trees and the 2-node tree, each with and without
 a :data:`LOOKUP_TOKENS`-token chain on the same prompts. A chained tree is scored with its plain
 tree's tau times the measured ratio, at the verify cost of the rows it actually had per round (a
-chain joins a round only where the context holds a match). On the MT-Bench answers of SmolLM2-135M
-the 2-node tree with 4 looked-up tokens beat the best plain tree by 21 % (benchmarks.md).
+chain joins a round only where the context holds a match). With SmolLM2-135M on one AVX512-BF16 core
+it picked PosS-2's 4/1 tree plus 4 tokens, which ran 1.19x the best plain tree (6/2) on the MT-Bench
+benchmark and was faster on all six eval sets (benchmarks.md, eval.md).
 
 Costs are timed once (:func:`calibrate`) by greedy generation with the generator's own profile on
 MT-Bench prompts (by default three prompts, 64 tokens each per config, interleaved; lower quartile per
@@ -77,7 +78,7 @@ DEPTHS = (1, 2, 3, 4, 5, 6)
 CALIBRATION = ((1, 0), (2, 1), (4, 1), (4, 2), (6, 2), (8, 2), (12, 3), (16, 2), (16, 3), (32, 4), (60, 5), (60, 6))
 CALIBRATION_BEAM = 10
 REFINE_TOP, REFINE_PROMPTS, REFINE_TOKENS = 3, 4, 256  # trees timed again, on how many more prompts, how long
-LOOKUP_TOKENS = 4  # the chain refine tries: 2-6 tokens on 2- to 6-node trees, 4 was fastest (2026-12-04)
+LOOKUP_TOKENS = 4  # the chain refine tries: 4 and 6 ran level, 2 and 8 slower (scripts/tree_sweep.py, 2026-12-04)
 LOOKUP_TREES = 2  # the best trees refine also times with the chain (besides the 2-node tree)
 DEFAULT_S, DEFAULT_BETA = 1.0, 0.5
 CACHE_VERSION = 9  # bump when what is measured or its kernels change: old cache files are then ignored
