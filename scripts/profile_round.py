@@ -67,6 +67,7 @@ def main(argv=None) -> int:
 
     import poss
     from poss import hardware
+    from poss.cli_args import tree_spec
     from poss.data.eval_sets import load_eval_set
     from poss.decode.params import TreeParams
 
@@ -81,9 +82,7 @@ def main(argv=None) -> int:
     lines = [f"{hardware.header(dtype, a.threads)}; draft `{Path(draft).name if draft else 'none'}`, batch 1, "
              f"{a.new} new tokens, one MT-Bench prompt", "", head, "|" + "---|" * (head.count("|") - 1)]
     for spec in a.trees:
-        shape, plus, k = spec.partition("+")
-        T, d = (int(x) for x in shape.split("/"))
-        tree = TreeParams(num_nodes=T, depth=d, lookup=int(k) if plus else 0)
+        tree = tree_spec(spec)
         gen.generate([prompt], 8, tree=tree)  # warm-up at this shape
         p = phases(gen, prompt, a.new, tree)
         shares = op_shares(gen, prompt, min(a.new, 24), tree)

@@ -20,15 +20,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 
-def parse_tree(spec: str):
-    """``"4/1+4"`` -> ``TreeParams(4, 1, lookup=4)``; ValueError for anything else."""
-    from poss.decode.params import TreeParams
-
-    shape, plus, k = spec.partition("+")
-    nodes, depth = (int(x) for x in shape.split("/"))
-    return TreeParams(num_nodes=nodes, depth=depth, lookup=int(k) if plus else 0)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trees", nargs="+", required=True, metavar="N/D[+K]")
@@ -39,8 +30,10 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default="auto")
     a = ap.parse_args(argv)
+    from poss.cli_args import tree_spec
+
     try:
-        trees = [parse_tree(t) for t in a.trees]
+        trees = [tree_spec(t) for t in a.trees]
     except ValueError as e:
         ap.error(f"--trees: expected NODES/DEPTH or NODES/DEPTH+K such as 4/1+4, got {a.trees} ({e})")
     import poss

@@ -160,12 +160,22 @@ def test_auto_tree_is_measured_cached_and_lossless(target, tmp_path, monkeypatch
         assert gen.generate([p], NEW, tree=tree).token_ids[0] == hf_greedy(target, p, NEW)
 
 
-def test_refine_pools_the_best_trees_tau_over_more_prompts(monkeypatch):
-    """Three prompts put 4/1 ahead of 4/2 by a hair; more text on the contenders reverses it."""
+def close_small_trees():
+    """A calibration whose three prompts put 4/1 ahead of 4/2 by a hair (2/1 just behind)."""
     c = cal({1: 10.0, 2: 10.2, 4: 10.5, 6: 13.0, 8: 16.0, 16: 25.0, 32: 45.0, 60: 80.0},
             [(2, 1, 1.0), (4, 1, 1.0), (4, 2, 2.0)], [0.6, 0.5, 0.5], s=0.6, beta=0.2)
     c.rounds = [(2, 1, 133, 100), (4, 1, 147, 100), (4, 2, 152, 100)]
     c.measured_tau = [(T, d, n / r) for T, d, n, r in c.rounds]
+    return c
+
+
+class DraftedGen:
+    draft = object()
+
+
+def test_refine_pools_the_best_trees_tau_over_more_prompts(monkeypatch):
+    """Three prompts put 4/1 ahead of 4/2 by a hair; more text on the contenders reverses it."""
+    c = close_small_trees()
     assert choose(c) == TreeParams(4, 1)
     top = [(r["num_nodes"], r["depth"]) for r in score_table(c) if r["depth"]][:autotune.REFINE_TOP]
     assert (4, 2) in top
@@ -176,11 +186,7 @@ def test_refine_pools_the_best_trees_tau_over_more_prompts(monkeypatch):
         return {}, {}, {k: ([380, 190, 570] if k == (4, 2) else [300, 200, 600]) for k in configs}
 
     monkeypatch.setattr(autotune, "time_configs", fake_time)
-
-    class Gen:
-        draft = object()
-
-    r = autotune.refine(Gen(), c, ["p"] * 6, 64, lookup=0)
+    r = autotune.refine(DraftedGen(), c, ["p"] * 6, 64, lookup=0)
     assert asked == [(6, top)] and r.lookup == []
     taus = {(T, d): tau for T, d, tau in r.measured_tau}
     assert taus[(4, 2)] == (152 + 380) / (100 + 190) and taus[(4, 1)] == (147 + 300) / (100 + 200)
@@ -191,10 +197,7 @@ def test_refine_pools_the_best_trees_tau_over_more_prompts(monkeypatch):
 def refined_with_chains(monkeypatch, gain: float, rows_per_round: float):
     """The calibration of the test above refined with 4-token chains whose tau is ``gain`` x their plain
     tree's over ``rows_per_round`` rows; returns it and the configs timed."""
-    c = cal({1: 10.0, 2: 10.2, 4: 10.5, 6: 13.0, 8: 16.0, 16: 25.0, 32: 45.0, 60: 80.0},
-            [(2, 1, 1.0), (4, 1, 1.0), (4, 2, 2.0)], [0.6, 0.5, 0.5], s=0.6, beta=0.2)
-    c.rounds = [(2, 1, 133, 100), (4, 1, 147, 100), (4, 2, 152, 100)]
-    c.measured_tau = [(T, d, n / r) for T, d, n, r in c.rounds]
+    c = close_small_trees()
     asked = []
 
     def fake_time(gen, prompts, new_tokens, configs):
@@ -203,11 +206,7 @@ def refined_with_chains(monkeypatch, gain: float, rows_per_round: float):
                             else [300, 200, 200 * (k[0] - 1)]) for k in configs}
 
     monkeypatch.setattr(autotune, "time_configs", fake_time)
-
-    class Gen:
-        draft = object()
-
-    return autotune.refine(Gen(), c, ["p"] * 4, 64, lookup=4), asked[0]
+    return autotune.refine(DraftedGen(), c, ["p"] * 4, 64, lookup=4), asked[0]
 
 
 def test_refine_times_the_best_trees_and_the_2_node_tree_with_a_chain(monkeypatch):

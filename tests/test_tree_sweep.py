@@ -1,8 +1,10 @@
-"""scripts/tree_sweep.py: its tree specs (the timing itself needs the real model: run the script)."""
+"""The ``N/D+K`` tree specs of scripts/tree_sweep.py and scripts/profile_round.py
+(``poss.cli_args.tree_spec``); the timing itself needs the real model: run the script."""
 
 import pytest
 
 from helpers.scripts import load_script
+from poss.cli_args import tree_spec
 from poss.decode.params import TreeParams
 
 
@@ -11,16 +13,16 @@ def sweep():
     return load_script("tree_sweep")
 
 
-def test_tree_specs_parse_with_and_without_a_chain(sweep):
-    assert sweep.parse_tree("4/1+4") == TreeParams(num_nodes=4, depth=1, lookup=4)
-    assert sweep.parse_tree("6/2") == TreeParams(num_nodes=6, depth=2)
-    assert sweep.parse_tree("1/0+6") == TreeParams(num_nodes=1, depth=0, lookup=6)
+def test_tree_specs_parse_with_and_without_a_chain():
+    assert tree_spec("4/1+4") == TreeParams(num_nodes=4, depth=1, lookup=4)
+    assert tree_spec("6/2") == TreeParams(num_nodes=6, depth=2)
+    assert tree_spec("1/0+6") == TreeParams(num_nodes=1, depth=0, lookup=6)
 
 
 @pytest.mark.parametrize("spec", ["4-1", "4/1+", "4/1/2", "0/0", "4/1+-2"])
-def test_bad_tree_specs_are_rejected(sweep, spec):
+def test_bad_tree_specs_are_rejected(spec):
     with pytest.raises(ValueError):
-        sweep.parse_tree(spec)
+        tree_spec(spec)
 
 
 def test_a_bad_spec_is_a_usage_error_naming_the_flag(sweep, capsys):

@@ -86,6 +86,16 @@ def tree_from_flags(num_nodes, depth, beam_width: int, lookup=0):
                       lookup=0 if lookup == "auto" else lookup)
 
 
+def tree_spec(text: str):
+    """``"N/D"`` -> ``TreeParams(N, D)``, ``"N/D+K"`` -> the same with a K-token lookup chain (the form
+    the benchmarks and scripts print); ``ValueError`` for anything else."""
+    from poss.decode.params import TreeParams
+
+    shape, plus, k = text.partition("+")
+    nodes, depth = (int(x) for x in shape.split("/"))
+    return TreeParams(num_nodes=nodes, depth=depth, lookup=int(k) if plus else 0)
+
+
 LOOKUP_HELP = ("prompt lookup: merge up to this many tokens, copied from the context after the latest earlier "
                "match of its last 1-3 tokens, into every round's tree (0: off; auto: timed with the tree when the "
                "tree is auto, else 0; output unchanged, only speed)")
