@@ -2,6 +2,7 @@
 // translation units); it also reports how the library was built.
 #include <pybind11/pybind11.h>
 
+#include "cpu/tree_attention_exact.h"
 #include "poss/linear_args.h"
 
 #ifndef POSS_TORCH_VERSION
@@ -34,4 +35,6 @@ PYBIND11_MODULE(_C, m) {
       },
       "The CPU kernel of poss::linear for a dtype ('bfloat16', 'float32', 'float16'): 'avx512-bf16' or "
       "'avx2-fma' (row-invariant), or 'aten'.");
+  m.def("cpu_exact_attention_lanes", &poss::cpu_exact_attention_lanes,
+        "SIMD lanes of the CPU's row-exact tree attention: 16 (AVX512F) or 8 (AVX2, or POSS_ATTENTION_LANES=8).");
 }

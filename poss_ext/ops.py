@@ -254,6 +254,15 @@ def cpu_linear_kernel(dtype: torch.dtype = torch.bfloat16) -> str:
     return _C.cpu_linear_kernel(str(dtype).replace("torch.", ""))
 
 
+def cpu_exact_attention_lanes() -> int:
+    """SIMD lanes of the row-exact CPU path of :func:`tree_attention` (requests behind a committed
+    prefix): 16 on CPUs with AVX512F, else 8. Both widths give the same bits; ``POSS_ATTENTION_LANES=8``
+    (read once) forces 8, to test and time the AVX2 loops on an AVX512F CPU."""
+    from poss_ext import _C
+
+    return _C.cpu_exact_attention_lanes()
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm over the last dim: ``x [..., H]`` float32/bf16/fp16, ``weight [H]`` same dtype -> ``[..., H]``."""
     return torch.ops.poss.rms_norm(x, weight, eps)

@@ -309,3 +309,42 @@ def test_tree_row_is_bitwise_the_decode_step_of_its_path(P, N, ratio, seed, dtyp
         step = poss_ext.tree_attention(q[:, :, i:i + 1], k1, v1, torch.tensor([P + len(path) - 1], dtype=torch.int32),
                                        torch.tensor([[-1]], dtype=torch.int32), D ** -0.5)
         assert torch.equal(step[:, :, 0], tree[:, :, i]), f"node {i} (depth {len(path) - 1}) differs"
+
+
+def _exact_path_cases():
+    """Calls that take the row-exact path (prefix > 0): every head dim, GQA ratios, chains and trees,
+    decode steps, prefixes across a 16-key boundary, three dtypes; with their outputs."""
+    gen = torch.Generator().manual_seed(7)
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for D, (Hkv, ratio), P, N, chain in [(64, (3, 3), 200, 1, True), (64, (3, 3), 17, 8, False),
+                                            (80, (2, 4), 31, 5, False), (96, (1, 1), 1, 3, True),
+                                            (128, (2, 2), 300, 13, False), (256, (1, 3), 16, 2, False),
+                                            (64, (2, 1), 45, 40, False)]:
+            q, k, v = make_inputs(gen, 1, Hkv * ratio, Hkv, N, D, P + N + 3, dtype, "cpu")
+            parents = random_parents(gen, 1, N, [N], chain)
+            args = (q, k, v, torch.tensor([P], dtype=torch.int32), parents, D ** -0.5)
+            cases.append((args, torch.ops.poss.tree_attention(*args)))
+    return cases
+
+
+def test_exact_path_bits_do_not_depend_on_the_lane_width(tmp_path):
+    """The row-exact loops run 16 lanes wide on AVX512F and 8 on AVX2 with the same per-lane
+    arithmetic, so a token decodes to the same bits on either CPU; POSS_ATTENTION_LANES=8 runs the
+    8-lane loops here for comparison (in a subprocess: the choice is read once)."""
+    import os
+    import subprocess
+    import sys
+
+    if poss_ext.ops.cpu_exact_attention_lanes() != 16:
+        pytest.skip("this CPU runs only the 8-lane loops")
+    path = tmp_path / "cases.pt"
+    torch.save(_exact_path_cases(), path)
+    script = (
+        "import sys, torch, poss_ext; assert poss_ext.ops.cpu_exact_attention_lanes() == 8\n"
+        f"cases = torch.load({str(path)!r})\n"
+        "bad = [i for i, (a, want) in enumerate(cases) if not torch.equal(torch.ops.poss.tree_attention(*a), want)]\n"
+        "print(bad); sys.exit(1 if bad else 0)\n")
+    env = {**os.environ, "POSS_ATTENTION_LANES": "8"}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, f"cases whose bits differ at 8 lanes: {run.stdout} {run.stderr[-2000:]}"

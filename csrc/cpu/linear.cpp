@@ -129,12 +129,14 @@ struct Bf16Avx512 {
   using T = c10::BFloat16;   // the tensors' dtype (weights, bias, residual, out)
   using XT = c10::BFloat16;  // x as the micro-kernel reads it
   // Up to 6 rows: MR x 4 accumulators + MR x vectors + 1 weight vector. 7 to 12 rows: the NR weight
-  // vectors stay in registers and each x row is loaded as it is used (8 x 3 + 3 + 1, 12 x 2 + 2 + 1),
+  // vectors stay in registers and each x row is loaded as it is used (9 x 3 + 3 + 1, 12 x 2 + 2 + 1),
   // so a tree of up to 12 rows streams the weights once instead of twice. At 12 rows this ran 5-15 %
   // faster than 8 x 3 then 4 x 4 (two passes) on SmolLM2's matrices, though at 22-24 GB/s against
   // 30-34 up to 8 rows: 12 x loads per k step for 24 multiply-adds (AVX512-BF16 EPYC, 2026-12-04).
+  // 9 rows take 9 x 3 (27 accumulators + 3 + 1: 31 of the 32 registers, no spill in the k loop):
+  // 32-33 GB/s against 30 with 9 x 2 (bench_weight_stream.py --rows 8 9 10, alternated twice).
   static constexpr int kMaxRows = POSS_LINEAR_MAX_ROWS;
-  static constexpr int cols(int rows) { return rows <= 2 ? 8 : rows <= 6 ? 4 : rows <= 8 ? 3 : 2; }
+  static constexpr int cols(int rows) { return rows <= 2 ? 8 : rows <= 6 ? 4 : rows <= 9 ? 3 : 2; }
   static constexpr bool kPrefetchNextBlock = false;  // not measured on an AVX512-BF16 CPU yet
 
   // Rows m0..m0+MR of x against weight rows n..n+NR (x rows have stride K, like the weight rows).

@@ -22,6 +22,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 
 #include "poss/tree_attention.h"
@@ -171,6 +173,22 @@ void pv_rows(const float* const* p, int64_t n, const float* v, int64_t D, float*
       for (int64_t j = 0; j < n; ++j) o[r][d0] = std::fma(p[r][j], v[j * D + d0], o[r][d0]);
 }
 
+// The prefix part of o for every row: rows of p (row stride ld) against the first n rows of v
+// (stride D), accumulated into o (stride D), three rows at a time (AVX2 registers), then one by one.
+void prefix_pv8(const float* p, int64_t ld, int64_t rows, int64_t n, const float* v, int64_t D, float* o) {
+  int64_t r = 0;
+  for (; r + 3 <= rows; r += 3) {
+    const float* pr[3] = {p + r * ld, p + (r + 1) * ld, p + (r + 2) * ld};
+    float* orow[3] = {o + r * D, o + (r + 1) * D, o + (r + 2) * D};
+    pv_rows<3>(pr, n, v, D, orow);
+  }
+  for (; r < rows; ++r) {
+    const float* pr[1] = {p + r * ld};
+    float* orow[1] = {o + r * D};
+    pv_rows<1>(pr, n, v, D, orow);
+  }
+}
+
 // The sum of p[0:n] in W lane-wise partial sums (lane c mod W, each in order of c), then over the
 // lanes in order: the same bits for the same n values, whatever row or call they belong to.
 float lane_sum(const float* p, int64_t n) {
@@ -203,32 +221,139 @@ float row_max(const float* s, int64_t n) {
 // loop's (one fused multiply-add per d, in the same order), so both give the same bits and the
 // choice is only a matter of speed.
 
-// Scores of `rows` query rows (stride D) against the kn <= 16 keys of kt [D, 16].
-POSS_AVX512F void scores16(const float* qs, int64_t rows, int64_t D, const float* kt, int64_t kn, float* out,
-                           int64_t ld) {
-  const __mmask16 m = static_cast<__mmask16>((1u << kn) - 1);
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) {
-    const float* q = qs + r * D;
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; ++d) {
-      const __m512 kv = _mm512_loadu_ps(kt + d * W16);
-      a0 = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), kv, a0);
-      a1 = _mm512_fmadd_ps(_mm512_set1_ps(q[D + d]), kv, a1);
-      a2 = _mm512_fmadd_ps(_mm512_set1_ps(q[2 * D + d]), kv, a2);
-      a3 = _mm512_fmadd_ps(_mm512_set1_ps(q[3 * D + d]), kv, a3);
+// R query rows (stride D) against T tiles of 16 keys (kt: [T, D, 16]) into out (row stride ld, T * 16
+// columns). R x T independent accumulators hide the fused multiply-add latency (one row against one
+// tile waits on it at every d); each lane is still one fmadd per d, in order.
+template <int R, int T>
+POSS_AVX512F inline void scores16_block(const float* q, int64_t D, const float* kt, float* out, int64_t ld) {
+  __m512 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    __m512 kv[T];
+    for (int t = 0; t < T; ++t) kv[t] = _mm512_loadu_ps(kt + (t * D + d) * W16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 qv = _mm512_set1_ps(q[r * D + d]);
+      for (int t = 0; t < T; ++t) acc[r][t] = _mm512_fmadd_ps(qv, kv[t], acc[r][t]);
     }
-    float* o = out + r * ld;
-    _mm512_mask_storeu_ps(o, m, a0);
-    _mm512_mask_storeu_ps(o + ld, m, a1);
-    _mm512_mask_storeu_ps(o + 2 * ld, m, a2);
-    _mm512_mask_storeu_ps(o + 3 * ld, m, a3);
   }
-  for (; r < rows; ++r) {
-    const float* q = qs + r * D;
-    __m512 a = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; ++d) a = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), _mm512_loadu_ps(kt + d * W16), a);
-    _mm512_mask_storeu_ps(out + r * ld, m, a);
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) _mm512_storeu_ps(out + r * ld + t * W16, acc[r][t]);
+}
+
+// R rows against all `tiles` tiles: about twelve accumulators a block (two FMA pipes of four cycles'
+// latency need eight chains in flight), then the last tiles one by one.
+template <int R>
+POSS_AVX512F void scores16_rows(const float* q, int64_t D, const float* kt, int64_t tiles, float* out, int64_t ld) {
+  constexpr int T = (12 + R - 1) / R;
+  int64_t t = 0;
+  for (; t + T <= tiles; t += T) scores16_block<R, T>(q, D, kt + t * D * W16, out + t * W16, ld);
+  for (; t < tiles; ++t) scores16_block<R, 1>(q, D, kt + t * D * W16, out + t * W16, ld);
+}
+
+// Scores of `rows` query rows (stride D) against all `tiles` tiles of kt ([tiles, D, 16], zero past
+// the last key) into out (row stride ld >= tiles * 16): rows in fours, then the last one to three.
+POSS_AVX512F void scores16(const float* qs, int64_t rows, int64_t D, const float* kt, int64_t tiles, float* out,
+                           int64_t ld) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) scores16_rows<4>(qs + r * D, D, kt, tiles, out + r * ld, ld);
+  const float* q = qs + r * D;
+  float* o = out + r * ld;
+  switch (rows - r) {
+    case 3: scores16_rows<3>(q, D, kt, tiles, o, ld); break;
+    case 2: scores16_rows<2>(q, D, kt, tiles, o, ld); break;
+    case 1: scores16_rows<1>(q, D, kt, tiles, o, ld); break;
+    default: break;
+  }
+}
+
+// pv_block with 16-lane vectors, R rows x V vectors (the same fmadd per key and lane, in order).
+template <int R, int V>
+POSS_AVX512F inline void pv16_block(const float* const* p, int64_t n, const float* v, int64_t D, int64_t d0,
+                                    float* const* o) {
+  __m512 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < V; ++k) acc[r][k] = _mm512_loadu_ps(o[r] + d0 + k * W16);
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 vv[V];
+    const float* vj = v + j * D + d0;
+    for (int k = 0; k < V; ++k) vv[k] = _mm512_loadu_ps(vj + k * W16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 pr = _mm512_set1_ps(p[r][j]);
+      for (int k = 0; k < V; ++k) acc[r][k] = _mm512_fmadd_ps(pr, vv[k], acc[r][k]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < V; ++k) _mm512_storeu_ps(o[r] + d0 + k * W16, acc[r][k]);
+}
+
+// pv16_block over all of D (a multiple of 16): four vectors at a time, then one.
+template <int R>
+POSS_AVX512F void pv16_rows(const float* const* p, int64_t n, const float* v, int64_t D, float* const* o) {
+  int64_t d0 = 0;
+  for (; d0 + 4 * W16 <= D; d0 += 4 * W16) pv16_block<R, 4>(p, n, v, D, d0, o);
+  for (; d0 + W16 <= D; d0 += W16) pv16_block<R, 1>(p, n, v, D, d0, o);
+}
+
+// GCC 12's avx512fintrin.h seeds some intrinsics' unused lanes with a self-initialised variable,
+// which -Wmaybe-uninitialized reports once they are inlined here.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// at::vec's AVX2 exp_u20 (ATen/cpu/vec/vec256/vec256_float.h), operation for operation, 16 lanes
+// wide: each lane gets the 8-lane routine's bits, so either width may serve a row.
+POSS_AVX512F inline __m512 exp_u20_16(__m512 x) {
+  const __m512 ln_flt_min = _mm512_castsi512_ps(_mm512_set1_epi32(0xc2aeac50));
+  const __m512 ln_flt_max = _mm512_castsi512_ps(_mm512_set1_epi32(0x42b17218));
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __mmask16 too_small = _mm512_cmp_ps_mask(x, ln_flt_min, _CMP_LT_OS);
+  __m512 src = _mm512_max_ps(_mm512_min_ps(x, ln_flt_max), ln_flt_min);
+  __m512 fx = _mm512_fmadd_ps(src, _mm512_castsi512_ps(_mm512_set1_epi32(0x3fb8aa3b)), _mm512_set1_ps(0.5f));
+  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(fx, _mm512_castsi512_ps(_mm512_set1_epi32(0x3f317218)), src);
+  __m512 y = _mm512_fmadd_ps(r, _mm512_set1_ps(0.00828929059f), _mm512_set1_ps(0.0418978221f));
+  y = _mm512_fmadd_ps(r, y, _mm512_set1_ps(0.166676521f));
+  y = _mm512_fmadd_ps(r, y, _mm512_set1_ps(0.499991506f));
+  y = _mm512_fmadd_ps(r, y, _mm512_set1_ps(0.999999701f));
+  y = _mm512_fmadd_ps(r, y, one);
+  __m512i n = _mm512_cvtps_epi32(_mm512_sub_ps(fx, one));
+  n = _mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(0x7f)), 23);
+  const __m512 two_pow_n = _mm512_mask_blend_ps(too_small, _mm512_castsi512_ps(n), _mm512_setzero_ps());
+  return _mm512_mul_ps(_mm512_mul_ps(y, two_pow_n), _mm512_set1_ps(2.f));
+}
+
+// s[0:n] = exp_u20(s[0:n] - m), 16 lanes at a time.
+POSS_AVX512F void exp_shifted16(float* s, int64_t n, float m) {
+  const __m512 vm = _mm512_set1_ps(m);
+  for (int64_t j = 0; j < n; j += W16) {
+    const __mmask16 k = n - j >= W16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - j)) - 1);
+    _mm512_mask_storeu_ps(s + j, k, exp_u20_16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), vm)));
+  }
+}
+#pragma GCC diagnostic pop
+
+// pv16_rows for R rows starting at row r (p: row stride ld; o: stride D).
+template <int R>
+POSS_AVX512F void pv16_group(const float* p, int64_t ld, int64_t r, int64_t n, const float* v, int64_t D,
+                             float* o) {
+  const float* pr[R];
+  float* orow[R];
+  for (int i = 0; i < R; ++i) {
+    pr[i] = p + (r + i) * ld;
+    orow[i] = o + (r + i) * D;
+  }
+  pv16_rows<R>(pr, n, v, D, orow);
+}
+
+// prefix_pv8 with 16-lane vectors: four rows at a time (16 accumulators over D = 64), then the rest.
+POSS_AVX512F void prefix_pv16(const float* p, int64_t ld, int64_t rows, int64_t n, const float* v, int64_t D,
+                              float* o) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) pv16_group<4>(p, ld, r, n, v, D, o);
+  switch (rows - r) {
+    case 3: pv16_group<3>(p, ld, r, n, v, D, o); break;
+    case 2: pv16_group<2>(p, ld, r, n, v, D, o); break;
+    case 1: pv16_group<1>(p, ld, r, n, v, D, o); break;
+    default: break;
   }
 }
 
@@ -242,6 +367,27 @@ bool has_avx512f() {
 #else
 bool has_avx512f() { return false; }
 #endif
+
+// 16 on AVX512F unless POSS_ATTENTION_LANES=8 (read once: the 8-lane loops tested on such CPUs too).
+int64_t lanes() {
+  static const int64_t n = [] {
+    const char* env = std::getenv("POSS_ATTENTION_LANES");
+    return has_avx512f() && !(env != nullptr && std::strcmp(env, "8") == 0) ? W16 : W;
+  }();
+  return n;
+}
+
+// s[0:n] = exp_u20(s[0:n] - m), `width` lanes at a time (the same bits at either width).
+void exp_shifted(float* s, int64_t n, float m, int64_t width) {
+#ifdef POSS_EXACT_AVX512
+  if (width == W16) return exp_shifted16(s, n, m);
+#endif
+  const Vec vm(m);
+  for (int64_t j = 0; j < n; j += W) {
+    const int cnt = static_cast<int>(std::min(W, n - j));
+    (Vec::loadu(s + j, cnt) - vm).exp_u20().store(s + j, cnt);
+  }
+}
 
 template <typename scalar_t>
 struct ExactKernel {
@@ -263,7 +409,9 @@ struct ExactKernel {
     const ExactRequest& rq = *u.rq;
     const int64_t nodes = u.i1 - u.i0, rows = G * nodes, q0 = N - Nq;
     const int64_t L = rq.prefix + u.i1;  // key slots any of these rows can see
-    const int64_t Lp = (L + W - 1) / W * W;
+    const int64_t width = lanes() == W16 && D % W16 == 0 ? W16 : W;
+    const int64_t tiles = (L + width - 1) / width;
+    const int64_t Lp = tiles * width;  // score row stride: whole tiles
     sc.qs.resize(rows * D);
     sc.scores.resize(rows * Lp);
     sc.acc.resize(rows * D);
@@ -278,16 +426,11 @@ struct ExactKernel {
     const scalar_t* vb = v + rq.b * vs0 + u.h * vs1;
 
     // Scores against all L keys, transposed once per unit so that a lane is a key.
-    const int64_t width = has_avx512f() ? W16 : W;
-    const int64_t tiles = (L + width - 1) / width;
     sc.kt.resize(tiles * D * width);
     float* kt = sc.kt.data();
     transpose_keys(kb, ks2, L, D, width, kt, sc.widened);
 #ifdef POSS_EXACT_AVX512
-    if (width == W16) {
-      for (int64_t t = 0; t < tiles; ++t)
-        scores16(sc.qs.data(), rows, D, kt + t * D * W16, std::min(W16, L - t * W16), sc.scores.data() + t * W16, Lp);
-    }
+    if (width == W16) scores16(sc.qs.data(), rows, D, kt, tiles, sc.scores.data(), Lp);
 #endif
     if (width == W) scores8(sc.qs.data(), rows, D, kt, L, sc.scores.data(), Lp);
 
@@ -313,35 +456,27 @@ struct ExactKernel {
       }
       const int64_t n = P + c;
       sc.n_keys[r] = n;
-      const Vec vm(row_max(s, n));
-      for (int64_t j = 0; j < n; j += W) {
-        const int cnt = static_cast<int>(std::min(W, n - j));
-        (Vec::loadu(s + j, cnt) - vm).exp_u20().store(s + j, cnt);
-      }
+      exp_shifted(s, n, row_max(s, n), width);
       inv_l[r] = 1.0f / lane_sum(s, n);
     }
 
     // o = sum over c of p_c v_c, from V converted to fp32 once for all rows: the prefix keys, which
-    // every row sees, three rows at a time; then each row's own tree keys.
+    // every row sees, in blocks of rows; then each row's own tree keys.
     sc.v32.resize(L * D);
     float* v32 = sc.v32.data();
     for (int64_t j = 0; j < L; ++j) at::vec::convert(vb + j * vs2, v32 + j * D, D);
     sc.acc.assign(rows * D, 0.0f);
     float* acc = sc.acc.data();
-    const auto p_row = [&](int64_t r) { return static_cast<const float*>(sc.scores.data() + r * Lp); };
-    int64_t r = 0;
-    for (; r + 3 <= rows; r += 3) {
-      const float* p[3] = {p_row(r), p_row(r + 1), p_row(r + 2)};
-      float* o[3] = {acc + r * D, acc + (r + 1) * D, acc + (r + 2) * D};
-      pv_rows<3>(p, P, v32, D, o);
+#ifdef POSS_EXACT_AVX512
+    if (width == W16) {
+      prefix_pv16(sc.scores.data(), Lp, rows, P, v32, D, acc);
+    } else
+#endif
+    {
+      prefix_pv8(sc.scores.data(), Lp, rows, P, v32, D, acc);
     }
-    for (; r < rows; ++r) {
-      const float* p[1] = {p_row(r)};
-      float* o[1] = {acc + r * D};
-      pv_rows<1>(p, P, v32, D, o);
-    }
-    for (r = 0; r < rows; ++r) {
-      const float* p = p_row(r) + P;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* p = sc.scores.data() + r * Lp + P;
       const int32_t* slot = sc.tree_slot.data() + r * u.i1;
       float* o = acc + r * D;
       for (int64_t c = 0; c < sc.n_keys[r] - P; ++c) {
@@ -352,7 +487,7 @@ struct ExactKernel {
         for (; d < D; ++d) o[d] = std::fma(p[c], vj[d], o[d]);
       }
     }
-    for (r = 0; r < rows; ++r) {
+    for (int64_t r = 0; r < rows; ++r) {
       const int64_t g = r / nodes, i = u.i0 + r % nodes;
       float* a = acc + r * D;
       for (int64_t d = 0; d < D; ++d) a[d] *= inv_l[r];
@@ -362,6 +497,8 @@ struct ExactKernel {
 };
 
 }  // namespace
+
+int64_t cpu_exact_attention_lanes() { return lanes(); }
 
 void tree_attention_exact(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
                           const std::vector<ExactRequest>& requests, int64_t N, double scale) {

@@ -22,4 +22,8 @@ struct ExactRequest {
 void tree_attention_exact(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
                           const std::vector<ExactRequest>& requests, int64_t N, double scale);
 
+// SIMD lanes of the row-exact score, exp and P.V loops on this CPU: 16 (AVX512F) or 8. Both give
+// the same bits; POSS_ATTENTION_LANES=8 (read once) forces 8.
+int64_t cpu_exact_attention_lanes();
+
 }  // namespace poss

@@ -81,7 +81,7 @@ REFINE_TOP, REFINE_PROMPTS, REFINE_TOKENS = 3, 4, 256  # trees timed again, on h
 LOOKUP_TOKENS = 4  # the chain refine tries: 4 and 6 ran level, 8 slower (scripts/tree_sweep.py, 2026-12-04)
 LOOKUP_TREES = 2  # the best trees refine also times with the chain (besides the 2-node tree)
 DEFAULT_S, DEFAULT_BETA = 1.0, 0.5
-CACHE_VERSION = 9  # bump when what is measured or its kernels change: old cache files are then ignored
+CACHE_VERSION = 10  # bump when what is measured or its kernels change: old cache files are then ignored
 
 
 @dataclass
