@@ -233,4 +233,6 @@ def test_decoder_layer_random_trees_match_reference(B, T, extra, kv, rep, bias, 
     want = poss_ext.reference.decoder_layer(*ref_args)
     real = (parents[:, N - T:] != -2).unsqueeze(-1)  # padding rows are unspecified
     torch.testing.assert_close(torch.where(real, got, 0), torch.where(real, want, 0), rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(args[8], ref_args[8], rtol=1e-5, atol=1e-6)
+    # The K cache too, at the output's tolerance: our GEMM and the reference's (BLAS) sum in other orders,
+    # and a K element near zero after cancellation differed by 1.2e-6 once (1e-6 was too tight).
+    torch.testing.assert_close(args[8], ref_args[8], rtol=1e-4, atol=1e-5)
