@@ -209,13 +209,15 @@ def refined_with_chains(monkeypatch, gain: float, rows_per_round: float):
     return autotune.refine(DraftedGen(), c, ["p"] * 4, 64, lookup=4), asked[0]
 
 
-def test_refine_times_the_best_trees_and_the_2_node_tree_with_a_chain(monkeypatch):
+def test_refine_times_the_best_trees_and_the_small_depth_1_trees_with_a_chain(monkeypatch):
     r, asked = refined_with_chains(monkeypatch, 1.5, 5.0)
     plain = [c for c in asked if len(c) == 2]
     top2 = plain[:autotune.LOOKUP_TREES]
-    assert (2, 1) in plain and len(plain) == len(set(plain))
-    assert [c for c in asked if len(c) == 3] == [(T, d, 4) for T, d in dict.fromkeys(top2 + [(2, 1)])]
-    assert sorted(r.lookup) == sorted((T, d, 4, 1.5, 5.0) for T, d in dict.fromkeys(top2 + [(2, 1)]))
+    always = [(2, 1), (4, 1)]
+    assert list(autotune.LOOKUP_ALWAYS) == always
+    assert set(always) <= set(plain) and len(plain) == len(set(plain))
+    assert [c for c in asked if len(c) == 3] == [(T, d, 4) for T, d in dict.fromkeys(top2 + always)]
+    assert sorted(r.lookup) == sorted((T, d, 4, 1.5, 5.0) for T, d in dict.fromkeys(top2 + always))
 
 
 def test_a_chain_that_pays_is_chosen_one_that_only_adds_rows_is_not(monkeypatch):
@@ -240,7 +242,9 @@ def test_refinement_times_only_the_contenders_again(target, tmp_path, monkeypatc
     c = autotune.calibrate(gen, new_tokens=12, prompts=PROMPTS[:1], more_prompts=PROMPTS[1:3], more_tokens=20)
     tokens = {(T, d): n for T, d, n, _ in c.rounds}
     again = sorted(k for k, n in tokens.items() if n != 11)  # 11 tokens a prompt after the first
-    assert (2, 1) in again and len(again) in (autotune.REFINE_TOP, autotune.REFINE_TOP + 1)  # + the chains' base
+    # the contenders, plus the chained trees' plain runs where they were not contenders
+    assert set(autotune.LOOKUP_ALWAYS) <= set(again)
+    assert autotune.REFINE_TOP <= len(again) <= autotune.REFINE_TOP + len(autotune.LOOKUP_ALWAYS)
     assert all(tokens[k] in (2 * 19, 11 + 2 * 19) for k in again)
     assert {(T, d) for T, d, K, _, _ in c.lookup} <= set(again) and (2, 1, autotune.LOOKUP_TOKENS) in [
         x[:3] for x in c.lookup]

@@ -23,12 +23,13 @@ decoding), which wins when the draft is too weak or the machine makes a tree for
 
 Prompt lookup (:mod:`poss.decode.lookup`) is a third choice, ``K`` tokens copied from the context
 into each round's tree. Its gain depends on how much the text repeats, which no draft accuracy
-predicts, so :func:`refine` measures it: the two best trees and the 2-node tree, each with and without
+predicts, so :func:`refine` measures it: the two best trees, 2/1 and 4/1, each with and without
 a :data:`LOOKUP_TOKENS`-token chain on the same prompts. A chained tree is scored with its plain
 tree's tau times the measured ratio, at the verify cost of the rows it actually had per round (a
 chain joins a round only where the context holds a match). With SmolLM2-135M on one AVX512-BF16 core
 it picked PosS-2's 4/1 tree plus 4 tokens, which ran 1.19x the best plain tree (6/2) on the MT-Bench
-benchmark and was faster on all six eval sets (benchmarks.md, eval.md).
+benchmark and was faster on all six eval sets (benchmarks.md, eval.md); since the bf16 GEMM runs 9
+rows in one pass, the chain is 5 tokens (4/1 + 5 = 9 rows).
 
 Costs are timed once (:func:`calibrate`) by greedy generation with the generator's own profile on
 MT-Bench prompts (by default three prompts, 64 tokens each per config, interleaved; lower quartile per
@@ -78,8 +79,12 @@ DEPTHS = (1, 2, 3, 4, 5, 6)
 CALIBRATION = ((1, 0), (2, 1), (4, 1), (4, 2), (6, 2), (8, 2), (12, 3), (16, 2), (16, 3), (32, 4), (60, 5), (60, 6))
 CALIBRATION_BEAM = 10
 REFINE_TOP, REFINE_PROMPTS, REFINE_TOKENS = 3, 4, 256  # trees timed again, on how many more prompts, how long
-LOOKUP_TOKENS = 4  # the chain refine tries: 4 and 6 ran level, 8 slower (scripts/tree_sweep.py, 2026-12-04)
-LOOKUP_TREES = 2  # the best trees refine also times with the chain (besides the 2-node tree)
+LOOKUP_TOKENS = 5  # the chain refine tries: with 4/1, 9 verify rows, the tallest one-pass bf16 GEMM tile;
+# 4/1+5 ran 1.97x our AR loop, 4/1+4 1.91x, 4/1+6 (10 rows) 1.91x (docs/bench/tree_sweep_r8.md)
+LOOKUP_TREES = 2  # the best trees refine also times with the chain (besides LOOKUP_ALWAYS)
+# Timed with the chain whatever their plain rank: the chain adds most where the draft stops at depth 1,
+# and a short first-stage run ranked 8/1 and 8/2 above 4/1, whose chain then won every sweep.
+LOOKUP_ALWAYS = ((2, 1), (4, 1))
 DEFAULT_S, DEFAULT_BETA = 1.0, 0.5
 CACHE_VERSION = 10  # bump when what is measured or its kernels change: old cache files are then ignored
 
@@ -399,12 +404,12 @@ def refine(gen, cal: Calibration, prompts: Sequence, new_tokens: int = REFINE_TO
     """``cal`` with the tau of its ``top`` best speculative trees (by :func:`score_table`) pooled over
     ``prompts`` too: tokens and rounds add up, and the acceptance model is fitted again. The costs stay
     the first stage's (they vary less from prompt to prompt than tau does). With ``lookup`` > 0 the
-    :data:`LOOKUP_TREES` best and the 2-node tree are also timed with a ``lookup``-token chain, and
+    :data:`LOOKUP_TREES` best and the :data:`LOOKUP_ALWAYS` trees are also timed with a ``lookup``-token chain, and
     each chain's tau ratio over its plain tree (same prompts) and rows per round are kept."""
     contenders = [(r["num_nodes"], r["depth"]) for r in score_table(cal) if r["depth"] and not r["lookup"]][:top]
     if gen.draft is None or not contenders or not prompts:
         return cal
-    chained = list(dict.fromkeys(contenders[:LOOKUP_TREES] + [(2, 1)])) if lookup else []
+    chained = list(dict.fromkeys(contenders[:LOOKUP_TREES] + list(LOOKUP_ALWAYS))) if lookup else []
     plain = list(dict.fromkeys(contenders + chained))
     _, _, counts = time_configs(gen, prompts, new_tokens, plain + [(T, d, lookup) for T, d in chained])
     pooled = {(T, d): [n, r] for T, d, n, r in cal.rounds}
