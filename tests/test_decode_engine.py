@@ -223,6 +223,14 @@ def test_measure_batches_times_both_round_kinds_at_each_size(model):
     from poss.decode.autotune import measure_batches
 
     gen = make_generator(model, draft=True, n=3, ppl=1, aligned=True)
-    got = measure_batches(gen, TREE, eval_prompts(1)[0], batches=(2, 3), new_tokens=6)
+    seen = []
+    generate = gen.generate
+    gen.generate = lambda prompts, *a, **k: seen.append([list(p) for p in prompts]) or generate(prompts, *a, **k)
+    prompts = eval_prompts(1)[:2]  # token ids
+    got = measure_batches(gen, TREE, prompts, batches=(2, 3), new_tokens=6)
     assert sorted(got) == [2, 3] and all(ar > 0 and spec > 0 for ar, spec in got.values())
+    del gen.generate
     assert gen.profile is None and gen.end_ids == make_generator(model).end_ids  # left as it was
+    # distinct requests (copies of one prompt would accept alike), reused in turn past the list's end
+    firsts = [list(p) for p in prompts]
+    assert seen[0] == firsts and seen[-1] == [firsts[0], firsts[1], firsts[0]]
