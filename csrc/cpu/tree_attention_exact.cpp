@@ -12,8 +12,9 @@
 //   l = sum over lanes, in order, of (sum over c = lane mod 8, in order, of p_c)
 //   o = sum over c, in order, of fmadd(p_c, v_c);  out = o / l
 // Keys a row cannot see are left out by position, never by value. The tiled kernel
-// still serves prefills (prefix 0), where both decoding modes run the same call. The score
-// loops run 16 lanes wide on CPUs with AVX512F, else 8 (at::vec, AVX2): the same bits either way.
+// still serves prefills (prefix 0), where both decoding modes run the same call. The score, exp
+// and P.V loops run 16 lanes wide on CPUs with AVX512F, else 8 (at::vec, AVX2): the same bits
+// either way (POSS_ATTENTION_LANES=8 forces 8; tests compare the two).
 #include "tree_attention_exact.h"
 
 #include <ATen/Parallel.h>
