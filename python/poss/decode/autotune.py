@@ -525,7 +525,9 @@ def speculation_limit(gen, tree: TreeParams, max_batch: Optional[int] = None, re
             return json.loads(path.read_text())["limit"]
         except (ValueError, KeyError, TypeError):
             pass
-    prompts = [gen.encode(t) for t in calibration_prompts(max(batches))] if gen.tokenizer is not None else None
+    # Cut to a quarter of the context: a small model's window may be shorter than a long MT-Bench turn.
+    prompts = ([gen.encode(t)[: max(1, gen.context_limit // 4)] for t in calibration_prompts(max(batches))]
+               if gen.tokenizer is not None else None)
     if not prompts:
         raise ValueError("measuring the batch limit needs prompts (this generator has no tokenizer)")
     load = warn_if_busy("timing batch sizes")
