@@ -335,6 +335,14 @@ def calibration_prompts(n: int) -> List[str]:
     return [r["turns"][0] for r in load_eval_set("mt_bench")[-n:]]  # the last ones: benchmarks use the first
 
 
+def calibration_ids(gen, n: int) -> Optional[List[List[int]]]:
+    """:func:`calibration_prompts` as ``gen``'s token ids, each cut to a quarter of its context (a small
+    model's window may be shorter than a long MT-Bench turn); None without a tokenizer."""
+    if gen.tokenizer is None:
+        return None
+    return [gen.encode(t)[: max(1, gen.context_limit // 4)] for t in calibration_prompts(n)]
+
+
 def _low(xs: Sequence[float]) -> float:
     """The lower quartile: on a shared machine the uncontended cost, robust to one slow round."""
     xs = sorted(xs)
@@ -445,7 +453,7 @@ def calibrate(gen, n_prompts: int = 3, new_tokens: int = 64, refresh: bool = Fal
         except (ValueError, KeyError, TypeError):
             pass
     if prompts is None and gen.tokenizer is not None:
-        texts = [gen.encode(t) for t in calibration_prompts(n_prompts + n_more)]
+        texts = calibration_ids(gen, n_prompts + n_more)
         prompts, more_prompts = texts[len(texts) - n_prompts:], texts[:len(texts) - n_prompts]
     if not prompts:
         raise ValueError("calibration needs prompts (this generator has no tokenizer: pass token ids)")
@@ -525,9 +533,7 @@ def speculation_limit(gen, tree: TreeParams, max_batch: Optional[int] = None, re
             return json.loads(path.read_text())["limit"]
         except (ValueError, KeyError, TypeError):
             pass
-    # Cut to a quarter of the context: a small model's window may be shorter than a long MT-Bench turn.
-    prompts = ([gen.encode(t)[: max(1, gen.context_limit // 4)] for t in calibration_prompts(max(batches))]
-               if gen.tokenizer is not None else None)
+    prompts = calibration_ids(gen, max(batches))
     if not prompts:
         raise ValueError("measuring the batch limit needs prompts (this generator has no tokenizer)")
     load = warn_if_busy("timing batch sizes")
