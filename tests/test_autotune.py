@@ -186,7 +186,7 @@ def test_refine_pools_the_best_trees_tau_over_more_prompts(monkeypatch):
         return {}, {}, {k: ([380, 190, 570] if k == (4, 2) else [300, 200, 600]) for k in configs}
 
     monkeypatch.setattr(autotune, "time_configs", fake_time)
-    r = autotune.refine(DraftedGen(), c, ["p"] * 6, 64, lookup=0)
+    r = autotune.refine(DraftedGen(), c, ["p"] * 6, 64, rows=0)
     assert asked == [(6, top)] and r.lookup == []
     taus = {(T, d): tau for T, d, tau in r.measured_tau}
     assert taus[(4, 2)] == (152 + 380) / (100 + 190) and taus[(4, 1)] == (147 + 300) / (100 + 200)
@@ -195,8 +195,8 @@ def test_refine_pools_the_best_trees_tau_over_more_prompts(monkeypatch):
 
 
 def refined_with_chains(monkeypatch, gain: float, rows_per_round: float):
-    """The calibration of the test above refined with 4-token chains whose tau is ``gain`` x their plain
-    tree's over ``rows_per_round`` rows; returns it and the configs timed."""
+    """The calibration of the test above refined with chains that fill each tree to 8 rows, whose tau
+    is ``gain`` x their plain tree's over ``rows_per_round`` rows; returns it and the configs timed."""
     c = close_small_trees()
     asked = []
 
@@ -206,32 +206,39 @@ def refined_with_chains(monkeypatch, gain: float, rows_per_round: float):
                             else [300, 200, 200 * (k[0] - 1)]) for k in configs}
 
     monkeypatch.setattr(autotune, "time_configs", fake_time)
-    return autotune.refine(DraftedGen(), c, ["p"] * 4, 64, lookup=4), asked[0]
+    return autotune.refine(DraftedGen(), c, ["p"] * 4, 64, rows=8), asked[0]
+
+
+def test_chains_fill_trees_to_the_row_budget():
+    assert [autotune.chain_tokens(T, 8) for T in (2, 3, 4, 6, 8, 16)] == [6, 5, 4, 2, 2, 2]
+    assert autotune.chain_tokens(4, 6) == 2
 
 
 def test_refine_times_the_best_trees_and_the_small_depth_1_trees_with_a_chain(monkeypatch):
     r, asked = refined_with_chains(monkeypatch, 1.5, 5.0)
     plain = [c for c in asked if len(c) == 2]
     top2 = plain[:autotune.LOOKUP_TREES]
-    always = [(2, 1), (4, 1)]
+    always = [(2, 1), (3, 1), (4, 1)]
     assert list(autotune.LOOKUP_ALWAYS) == always
     assert set(always) <= set(plain) and len(plain) == len(set(plain))
-    assert [c for c in asked if len(c) == 3] == [(T, d, 4) for T, d in dict.fromkeys(top2 + always)]
-    assert sorted(r.lookup) == sorted((T, d, 4, 1.5, 5.0) for T, d in dict.fromkeys(top2 + always))
+    chained = [(T, d, 8 - T if T < 6 else 2) for T, d in dict.fromkeys(top2 + always)]
+    assert [c for c in asked if len(c) == 3] == chained
+    assert sorted(r.lookup) == sorted((*c, 1.5, 5.0) for c in chained)
 
 
 def test_a_chain_that_pays_is_chosen_one_that_only_adds_rows_is_not(monkeypatch):
     r, _ = refined_with_chains(monkeypatch, 1.0, 5.0)  # same tau, more rows: never better
     assert choose(r).lookup == 0
     r, _ = refined_with_chains(monkeypatch, 2.0, 6.0)
-    # By hand: refining pools 300 tokens in 200 rounds into every plain tree, so 4/1 makes (147 + 300) /
-    # 300 = 1.49 tokens a round, 4/2 1.507, 2/1 1.443; a chain doubles that over 6 rows: verify(6) =
-    # 13.0 ms plus 1.0 ms of drafting at depth 1 (2.0 at depth 2). 4/1 + 4: 2.98 / 14 ms = 213 tokens/s;
-    # 2/1 + 4: 206; 4/2 + 4: 201; the best plain tree, 4/2: 1.507 / 12.5 ms = 121.
+    # By hand: refining pools 300 tokens in 200 rounds into every plain tree, so 3/1 (timed only now)
+    # makes 300 / 200 = 1.5 tokens a round, 4/1 (147 + 300) / 300 = 1.49, 4/2 1.507, 2/1 1.443; a
+    # chain doubles that over 6 rows: verify(6) = 13.0 ms plus 1.0 ms of drafting at depth 1 (2.0 at
+    # depth 2). 3/1 + 5: 3.0 / 14 ms = 214 tokens/s; 4/1 + 4: 213; 2/1 + 6: 206; 4/2 + 4: 201; the best
+    # plain tree, 4/2: 1.507 / 12.5 ms = 121.
     best = choose(r)
-    assert (best.num_nodes, best.depth, best.lookup) == (4, 1, 4)
+    assert (best.num_nodes, best.depth, best.lookup) == (3, 1, 5)
     row = score_table(r)[0]
-    assert row["tokens_per_round"] == pytest.approx(2.0 * 447 / 300)
+    assert row["tokens_per_round"] == pytest.approx(2.0 * 1.5)
     assert row["ms_per_round"] == pytest.approx(13.0 + 1.0)
 
 
@@ -246,9 +253,11 @@ def test_refinement_times_only_the_contenders_again(target, tmp_path, monkeypatc
     assert set(autotune.LOOKUP_ALWAYS) <= set(again)
     assert autotune.REFINE_TOP <= len(again) <= autotune.REFINE_TOP + len(autotune.LOOKUP_ALWAYS)
     assert all(tokens[k] in (2 * 19, 11 + 2 * 19) for k in again)
-    assert {(T, d) for T, d, K, _, _ in c.lookup} <= set(again) and (2, 1, autotune.LOOKUP_TOKENS) in [
-        x[:3] for x in c.lookup]
-    assert all(ratio > 0 and 1 <= rows <= T + autotune.LOOKUP_TOKENS for T, d, K, ratio, rows in c.lookup)
+    rows = autotune.lookup_rows(gen)
+    assert {(T, d) for T, d, K, _, _ in c.lookup} <= set(again) and (2, 1, rows - 2) in [x[:3] for x in c.lookup]
+    # a drafted round verifies the tree and its chain's K rows, spare draft tokens filling what the chain left
+    assert all(ratio > 0 and K == autotune.chain_tokens(T, rows) and per_round == T + K
+               for T, d, K, ratio, per_round in c.lookup)
     assert c.key["n_prompts"] == 1 and c.key["n_more_prompts"] == 2
     assert {(T, d): n / r for T, d, n, r in c.rounds} == {(T, d): tau for T, d, tau in c.measured_tau}
 

@@ -35,7 +35,9 @@ def eager_chain(draft, j, tokens, feats):
     return out[0, -1]
 
 
-def reference_candidates(draft, ids, feats, L, depth, K):
+def reference_candidates(draft, ids, feats, L, depth, K, spare=0):
+    """EAGLE-2's candidates (tokens, scores, parents) and, past the first level's ``K``, its next
+    ``spare`` best tokens."""
     ctx_tok, ctx_feat = ids[1: L + 1], feats[:L]
 
     def run(j, path):  # path: [(token, feature paired with it)] from level 1 down to the node
@@ -45,6 +47,7 @@ def reference_candidates(draft, ids, feats, L, depth, K):
         return out, torch.log_softmax(draft.logits(out).float(), -1)
 
     out, logp = run(draft.specialist_for(1), [])
+    spare_tok = logp.topk(K + spare).indices[K:].tolist()
     score, tok = logp.topk(K)
     cand_tok, cand_score, cand_parent = tok.tolist(), score.tolist(), [-1] * K
     frontier = [(int(t), float(s), i, [(int(t), out)]) for i, (t, s) in enumerate(zip(tok, score))]
@@ -61,7 +64,7 @@ def reference_candidates(draft, ids, feats, L, depth, K):
         cand_parent += [c[2] for c in children]
         top = torch.tensor([c[1] for c in children]).topk(K).indices.tolist()
         frontier = [(children[i][0], children[i][1], base + i, children[i][3]) for i in top]
-    return cand_tok, cand_score, cand_parent
+    return cand_tok, cand_score, cand_parent, spare_tok
 
 
 @pytest.mark.parametrize("n,ppl,depth,K,nodes", [(4, 1, 4, 3, 20), (2, 2, 4, 3, 20), (1, 1, 4, 3, 20),
@@ -77,8 +80,11 @@ def test_draft_tree_matches_a_from_scratch_drafter(n, ppl, depth, K, nodes):
     seq = gen.state
     L = seq.length[0]
     ids, feats = seq.ids[0].clone(), seq.feats[0].clone()
-    tree = draft_tree(gen.draft, seq, depth, K, nodes)
-    tok, score, parent = reference_candidates(gen.draft, ids, feats, L, depth, K)
+    tree = draft_tree(gen.draft, seq, depth, K, nodes, spare=3)
+    tok, score, parent, _ = reference_candidates(gen.draft, ids, feats, L, depth, K)
+    # the loop drafts the first level max(1, min(K, nodes - 1)) wide; its spare tokens rank after that
+    _, _, _, spare = reference_candidates(gen.draft, ids, feats, L, 1, max(1, min(K, nodes - 1)), spare=3)
+    assert tree.spare.tolist() == [spare]
     want = poss_ext.ops.build_tree(torch.tensor([tok]), torch.tensor([score]),
                                    torch.tensor([parent], dtype=torch.int32), ids[L].view(1), nodes)
     assert torch.equal(tree.tokens, want[0]) and torch.equal(tree.parents, want[1])

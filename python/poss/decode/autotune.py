@@ -22,14 +22,15 @@ root-only tree (T = 1, d = 0: plain autoregressive
 decoding), which wins when the draft is too weak or the machine makes a tree forward too expensive.
 
 Prompt lookup (:mod:`poss.decode.lookup`) is a third choice, ``K`` tokens copied from the context
-into each round's tree. Its gain depends on how much the text repeats, which no draft accuracy
-predicts, so :func:`refine` measures it: the two best trees, 2/1 and 4/1, each with and without
-a :data:`LOOKUP_TOKENS`-token chain on the same prompts. A chained tree is scored with its plain
-tree's tau times the measured ratio, at the verify cost of the rows it actually had per round (a
-chain joins a round only where the context holds a match). With SmolLM2-135M on one AVX512-BF16 core
-it picked PosS-2's 4/1 tree plus 4 tokens, which ran 1.19x the best plain tree (6/2) on the MT-Bench
-benchmark and was faster on all six eval sets (benchmarks.md, eval.md); since the bf16 GEMM runs 9
-rows in one pass, the chain is 5 tokens (4/1 + 5 = 9 rows).
+into each round's tree, the rows a chain leaves unused filled with the draft's next-best first-level
+tokens. Its gain depends on how much the text repeats, which no draft accuracy predicts, so
+:func:`refine` measures it: the two best trees and 2/1, 3/1 and 4/1, each with and without a chain
+that fills the tree to :func:`lookup_rows` rows (8 where the GEMM takes them at about one pass's
+cost, else 6), on the same prompts. A chained tree is scored with its plain tree's tau times the
+measured ratio, at the verify cost of its rows. With SmolLM2-135M on one AVX512-BF16 core the
+chained depth-1 trees ran 1.2-1.3x the best plain tree (6/2) on the MT-Bench benchmark and were
+faster on all six eval sets (benchmarks.md, eval.md). A 9-row verify cost 0.9 ms more than an
+8-row one there, hence 8.
 
 Costs are timed once (:func:`calibrate`) by greedy generation with the generator's own profile on
 MT-Bench prompts (by default three prompts, 64 tokens each per config, interleaved; lower quartile per
@@ -79,14 +80,13 @@ DEPTHS = (1, 2, 3, 4, 5, 6)
 CALIBRATION = ((1, 0), (2, 1), (4, 1), (4, 2), (6, 2), (8, 2), (12, 3), (16, 2), (16, 3), (32, 4), (60, 5), (60, 6))
 CALIBRATION_BEAM = 10
 REFINE_TOP, REFINE_PROMPTS, REFINE_TOKENS = 3, 4, 256  # trees timed again, on how many more prompts, how long
-LOOKUP_TOKENS = 5  # the chain refine tries: with 4/1, 9 verify rows, the tallest one-pass bf16 GEMM tile;
-# 4/1+5 ran 1.97x our AR loop, 4/1+4 1.91x, 4/1+6 (10 rows) 1.91x (docs/bench/tree_sweep_r8.md)
-LOOKUP_TREES = 2  # the best trees refine also times with the chain (besides LOOKUP_ALWAYS)
-# Timed with the chain whatever their plain rank: the chain adds most where the draft stops at depth 1,
+LOOKUP_TREES = 2  # the best trees refine also times with a chain (besides LOOKUP_ALWAYS)
+# Timed with a chain whatever their plain rank: the chain adds most where the draft stops at depth 1,
 # and a short first-stage run ranked 8/1 and 8/2 above 4/1, whose chain then won every sweep.
-LOOKUP_ALWAYS = ((2, 1), (4, 1))
+LOOKUP_ALWAYS = ((2, 1), (3, 1), (4, 1))
+LOOKUP_MIN_TOKENS = 2  # the chain of a tree as tall as the row budget or taller
 DEFAULT_S, DEFAULT_BETA = 1.0, 0.5
-CACHE_VERSION = 10  # bump when what is measured or its kernels change: old cache files are then ignored
+CACHE_VERSION = 11  # bump when what is measured or its kernels change: old cache files are then ignored
 
 
 @dataclass
@@ -197,12 +197,12 @@ def candidates(sizes=SIZES, depths=DEPTHS) -> List[Tuple[int, int]]:
 
 
 def score_table(cal: Calibration, beam_width: int = 10, sizes=SIZES, depths=DEPTHS) -> List[Dict]:
-    """Every candidate ``(T, d)`` with its tokens per round (``measured``: the calibration's tau, else
+    """Every candidate ``(T, d)`` and every timed tree with its tokens per round (``measured``: the calibration's tau, else
     the fitted model's), ms per round and tokens/s, and each timed lookup chain on its tree
     (``lookup`` = K, 0 for none), best first (ties: the smaller tree, then no chain)."""
     timed = {(T, d): tau for T, d, tau in cal.measured_tau}
     rows, plain = [], {}
-    for T, d in candidates(sizes, depths):
+    for T, d in dict.fromkeys(candidates(sizes, depths) + list(timed)):  # a timed tree is a candidate too
         measured = (T, d) in timed and beam(T, beam_width) == beam(T, CALIBRATION_BEAM)
         e = timed[(T, d)] if measured else expected_tokens(cal.acc, T, d, beam_width, cal.s, cal.beta)
         ms = round_ms(cal, T, d, beam_width)
@@ -407,19 +407,37 @@ def measure(gen, prompts: Sequence, new_tokens: int = 32, configs=CALIBRATION) -
                        [(T, d, 1e3 * _low(v)) for (T, d), v in draft.items()], acc, s, beta, taus, rounds)
 
 
+def lookup_rows(gen) -> int:
+    """The rows a chained tree fills (tree + chain): 8 where a verify of 8 rows costs about one of 4
+    (the AVX512-BF16 GEMM, a GPU), else 6 (the AVX2 GEMM takes up to 6 rows in one pass)."""
+    import poss_ext
+
+    if gen.runner.device.type != "cpu":
+        return 8
+    return 8 if poss_ext.ops.cpu_linear_kernel(gen.runner.dtype) == "avx512-bf16" else 6
+
+
+def chain_tokens(num_nodes: int, rows: int) -> int:
+    """The chain that fills a ``num_nodes`` tree to ``rows`` rows (at least :data:`LOOKUP_MIN_TOKENS`)."""
+    return max(LOOKUP_MIN_TOKENS, rows - num_nodes)
+
+
 def refine(gen, cal: Calibration, prompts: Sequence, new_tokens: int = REFINE_TOKENS,
-           top: int = REFINE_TOP, lookup: int = LOOKUP_TOKENS) -> Calibration:
+           top: int = REFINE_TOP, rows: Optional[int] = None) -> Calibration:
     """``cal`` with the tau of its ``top`` best speculative trees (by :func:`score_table`) pooled over
     ``prompts`` too: tokens and rounds add up, and the acceptance model is fitted again. The costs stay
-    the first stage's (they vary less from prompt to prompt than tau does). With ``lookup`` > 0 the
-    :data:`LOOKUP_TREES` best and the :data:`LOOKUP_ALWAYS` trees are also timed with a ``lookup``-token chain, and
-    each chain's tau ratio over its plain tree (same prompts) and rows per round are kept."""
+    the first stage's (they vary less from prompt to prompt than tau does). The :data:`LOOKUP_TREES`
+    best and the :data:`LOOKUP_ALWAYS` trees are also timed with a lookup chain that fills them to
+    ``rows`` rows (:func:`chain_tokens`; None: :func:`lookup_rows`; 0: no chains), and each chain's tau
+    ratio over its plain tree (same prompts) and rows per round are kept."""
     contenders = [(r["num_nodes"], r["depth"]) for r in score_table(cal) if r["depth"] and not r["lookup"]][:top]
     if gen.draft is None or not contenders or not prompts:
         return cal
-    chained = list(dict.fromkeys(contenders[:LOOKUP_TREES] + list(LOOKUP_ALWAYS))) if lookup else []
+    rows = lookup_rows(gen) if rows is None else rows
+    chained = list(dict.fromkeys(contenders[:LOOKUP_TREES] + list(LOOKUP_ALWAYS))) if rows else []
     plain = list(dict.fromkeys(contenders + chained))
-    _, _, counts = time_configs(gen, prompts, new_tokens, plain + [(T, d, lookup) for T, d in chained])
+    chains = {(T, d): (T, d, chain_tokens(T, rows)) for T, d in chained}
+    _, _, counts = time_configs(gen, prompts, new_tokens, plain + list(chains.values()))
     pooled = {(T, d): [n, r] for T, d, n, r in cal.rounds}
     for c in plain:
         n, r, _ = counts[c]
@@ -428,12 +446,12 @@ def refine(gen, cal: Calibration, prompts: Sequence, new_tokens: int = REFINE_TO
         pooled[c][1] += r
     rounds = [(T, d, n, r) for (T, d), (n, r) in pooled.items()]
     taus, s, beta = _fit(cal.acc, rounds)
-    chains = []
-    for T, d in chained:
-        (n0, r0, _), (n, r, nodes) = counts[(T, d)], counts[(T, d, lookup)]
+    timed = []
+    for (T, d), c in chains.items():
+        (n0, r0, _), (n, r, nodes) = counts[(T, d)], counts[c]
         if n0 and r and r0:
-            chains.append((T, d, lookup, round((n / r) / (n0 / r0), 4), round(1 + nodes / r, 3)))
-    return Calibration(cal.verify_ms, cal.draft_ms, cal.acc, s, beta, taus, rounds, chains, cal.key)
+            timed.append((*c, round((n / r) / (n0 / r0), 4), round(1 + nodes / r, 3)))
+    return Calibration(cal.verify_ms, cal.draft_ms, cal.acc, s, beta, taus, rounds, timed, cal.key)
 
 
 def calibrate(gen, n_prompts: int = 3, new_tokens: int = 64, refresh: bool = False, cache: bool = True,

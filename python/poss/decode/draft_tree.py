@@ -24,7 +24,7 @@ the caches for the whole call.
 """
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import torch
 from torch import Tensor
@@ -41,6 +41,9 @@ class Tree:
     tokens: Tensor  # [B, N] int64
     parents: Tensor  # [B, N] int32
     depth: Tensor  # [B, N] int32
+    # [B, S] int64: the draft's next-best first-level tokens, best first, none of them in the tree
+    # (what :func:`poss.decode.lookup.add_lookup` fills unused rows with); None when not drafted
+    spare: Optional[Tensor] = None
 
 
 def root_only_tree(root: Tensor) -> Tree:
@@ -71,8 +74,9 @@ def warm_up(draft, batch: BatchState, prompt_lens: List[int], depth: int) -> Non
 
 
 @torch.inference_mode()
-def draft_tree(draft, batch: BatchState, depth: int, beam_width: int, num_nodes: int) -> Tree:
-    """Draft ``depth`` positions for every row of ``batch`` and assemble the top ``num_nodes`` tree.
+def draft_tree(draft, batch: BatchState, depth: int, beam_width: int, num_nodes: int, spare: int = 0) -> Tree:
+    """Draft ``depth`` positions for every row of ``batch`` and assemble the top ``num_nodes`` tree,
+    with the ``spare`` next-best first-level tokens (:attr:`Tree.spare`).
 
     Catches every used specialist up to the target's committed length (``batch.draft_len``).
     """
@@ -102,8 +106,11 @@ def draft_tree(draft, batch: BatchState, depth: int, beam_width: int, num_nodes:
     out = forward(draft.specialist_for(1), catch_up=True)
     ran = {draft.specialist_for(1)}
     root_out = out.gather(1, last.view(B, 1, 1).expand(B, 1, H))
-    score, token = draft.log_probs(root_out).topk(K, dim=-1)  # [B, 1, K]
-    score, token = score.view(B, K), draft.full_ids(token.view(B, K))
+    logp = draft.log_probs(root_out)  # [B, 1, V]
+    S = min(spare, logp.shape[-1] - K)
+    score, token = logp.topk(K + S, dim=-1)  # [B, 1, K + S]
+    score, token = score.view(B, K + S), draft.full_ids(token.view(B, K + S))
+    score, token, spare_tokens = score[:, :K], token[:, :K].contiguous(), token[:, K:]
     cand_tokens, cand_scores = [token], [score]
     cand_parents = [torch.full((B, K), -1, dtype=torch.int32, device=dev)]
     frontier_idx = torch.arange(K, device=dev).expand(B, K)  # candidate index of each frontier node
@@ -136,4 +143,4 @@ def draft_tree(draft, batch: BatchState, depth: int, beam_width: int, num_nodes:
     tokens, parents, tree_depth = poss_ext.ops.build_tree(
         torch.cat(cand_tokens, 1), torch.cat(cand_scores, 1), torch.cat(cand_parents, 1).contiguous(),
         batch.root_tokens(), num_nodes)
-    return Tree(tokens, parents, tree_depth)
+    return Tree(tokens, parents, tree_depth, spare_tokens if S else None)

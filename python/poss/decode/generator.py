@@ -317,7 +317,7 @@ class Generator:
         ``uniforms`` as in :meth:`prefill`; ``lookup``: as :attr:`TreeParams.lookup`."""
         t = time.perf_counter()
         if depth:
-            tree = draft_tree(self.draft, batch, depth, beam_width, num_nodes)
+            tree = draft_tree(self.draft, batch, depth, beam_width, num_nodes, spare=lookup)
         else:
             tree = root_only_tree(batch.root_tokens())
         if lookup:

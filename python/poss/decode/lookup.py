@@ -7,6 +7,13 @@ the guess joins the drafted tree as a trie: it follows the tree's nodes while th
 hangs its remainder below the last of them as a chain. Verification does not change, so the output
 is still exactly the target's; a wrong guess costs only its rows in the verify forward.
 
+The rows a chain leaves unused go to the draft's next-best first-level tokens (:attr:`Tree.spare`):
+on a CPU a verify of 8 rows costs little more than one of 4-6, and the chain often stops short (no
+match, or one the tree already holds). On 16 MT-Bench prompts x 256 tokens, PosS-2's 3/1 tree with
+5 tokens, filled (8 rows every round), had tau 2.49 and ran 2.02-2.05x our AR loop; unfilled, 3/1+6
+had tau 2.44 and ran 1.97-1.99x, 4/1+5 tau 2.44 and 1.92-1.93x (three alternating repeats,
+AVX512-BF16 EPYC, one thread). Filled to 9 rows, 3/1+6 lost: its verify cost 0.9 ms more.
+
 Tried and not kept (AVX512-BF16 EPYC, one thread, 2026-12-04): the continuations of the 2 or 3 latest
 distinct occurrences as one trie. With PosS-2's 4/1 tree and 4 tokens on 8 MT-Bench prompts, tau went
 from 2.30 to 2.37-2.38, but the extra rows cost 0.6-1.2 ms a verify, so it ran no faster (three
@@ -46,12 +53,15 @@ def add_lookup(tree: Tree, contexts: Sequence[Sequence[int]], k: int) -> Tree:
     tokens) merged in; ``contexts[b]`` ends with row b's root token.
 
     Every row gets the same number E of new nodes (ids N .. N+E-1, after the tree's): the longest
-    remainder of a chain that the tree did not already hold. A row whose remainder is shorter pads
-    with children of the root that repeat the root's token (proposals like any other: verification
-    accepts one only where the target agrees). Returns ``tree`` itself when no row adds a node.
-    The merge runs on the host: on a GPU, reading the tree back is one more sync per round.
+    remainder of a chain that the tree did not already hold, or ``k`` when the tree carries spare
+    tokens (:attr:`Tree.spare`). A row whose remainder is shorter fills the rows left with its spare
+    tokens as children of the root, best first, then with children of the root that repeat the root's
+    token (proposals like any other: verification accepts one only where the target agrees). Returns
+    ``tree`` itself when no row adds a node. The merge runs on the host: on a GPU, reading the tree
+    back is one more sync per round.
     """
     tokens, parents, depth = tree.tokens.tolist(), tree.parents.tolist(), tree.depth.tolist()
+    spare = tree.spare.tolist() if tree.spare is not None else [[] for _ in tokens]
     N = len(tokens[0])
     merged = []  # per row: (node the remainder hangs below, the remainder)
     for b, ctx in enumerate(contexts):
@@ -63,24 +73,20 @@ def add_lookup(tree: Tree, contexts: Sequence[Sequence[int]], k: int) -> Tree:
                 break
             node, i = child, i + 1
         merged.append((node, chain[i:]))
-    E = max(len(rest) for _, rest in merged)
+    E = k if tree.spare is not None else max(len(rest) for _, rest in merged)
     if E == 0:
         return tree
     new_tok, new_par, new_dep = [], [], []
     for b, (node, rest) in enumerate(merged):
-        t, p, d = [], [], []
-        for e in range(E):
-            if e < len(rest):
-                t.append(rest[e])
-                p.append(node if e == 0 else N + e - 1)
-                d.append(depth[b][node] + 1 + e)
-            else:
-                t.append(tokens[b][0])
-                p.append(0)
-                d.append(1)
-        new_tok.append(t)
-        new_par.append(p)
-        new_dep.append(d)
+        # the remainder hangs below `node` as a chain (its e-th node's parent is N + e - 1)
+        p = [node if e == 0 else N + e - 1 for e in range(len(rest))]
+        d = [depth[b][node] + 1 + e for e in range(len(rest))]
+        # then root children: spare tokens (one equal to a chain's first node would be its twin), padding
+        fill = [x for x in spare[b] if not (node == 0 and rest and x == rest[0])][:E - len(rest)]
+        fill += [tokens[b][0]] * (E - len(rest) - len(fill))
+        new_tok.append(list(rest) + fill)
+        new_par.append(p + [0] * len(fill))
+        new_dep.append(d + [1] * len(fill))
     dev = tree.tokens.device
 
     def cat(old, new, dtype):

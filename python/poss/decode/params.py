@@ -133,7 +133,9 @@ class TreeParams:
     below the root (0 = no speculation). beam_width: EAGLE-2's K, the children kept per frontier node
     and the frontier size per level. lookup: up to this many tokens copied from the request's own
     context (prompt lookup, :mod:`poss.decode.lookup`) merged into each round's tree, on top of its
-    ``num_nodes`` (0 = off); with no draft, the lookup chain alone is the tree.
+    ``num_nodes`` (0 = off). With a draft, the rows a chain leaves unused (no match, a shorter one, or
+    a prefix the tree already holds) go to the draft's next-best first-level tokens, so every round
+    verifies ``num_nodes + lookup`` rows; with no draft, the lookup chain alone is the tree.
     """
 
     num_nodes: int = 60
