@@ -103,7 +103,8 @@ def test_spare_tokens_fill_every_row_to_k_new_nodes(seed):
 
 
 def test_a_spare_token_equal_to_the_chain_head_is_skipped():
-    tree = Tree(torch.tensor([[5, 1]]), torch.tensor([[-1, 0]], dtype=torch.int32), torch.tensor([[0, 1]], dtype=torch.int32),
+    i32 = dict(dtype=torch.int32)
+    tree = Tree(torch.tensor([[5, 1]]), torch.tensor([[-1, 0]], **i32), torch.tensor([[0, 1]], **i32),
                 spare=torch.tensor([[3, 4]]))
     out = add_lookup(tree, [[5, 3, 9, 2, 5]], 3)  # the chain after 5 is [3, 9, 2]: 3 is also the best spare
     assert out.tokens[0].tolist() == [5, 1, 3, 9, 2]

@@ -197,9 +197,9 @@ def candidates(sizes=SIZES, depths=DEPTHS) -> List[Tuple[int, int]]:
 
 
 def score_table(cal: Calibration, beam_width: int = 10, sizes=SIZES, depths=DEPTHS) -> List[Dict]:
-    """Every candidate ``(T, d)`` and every timed tree with its tokens per round (``measured``: the calibration's tau, else
-    the fitted model's), ms per round and tokens/s, and each timed lookup chain on its tree
-    (``lookup`` = K, 0 for none), best first (ties: the smaller tree, then no chain)."""
+    """Every candidate ``(T, d)`` and every timed tree with its tokens per round (``measured``: the
+    calibration's tau, else the fitted model's), ms per round and tokens/s, and each timed lookup chain
+    on its tree (``lookup`` = K, 0 for none), best first (ties: the smaller tree, then no chain)."""
     timed = {(T, d): tau for T, d, tau in cal.measured_tau}
     rows, plain = [], {}
     for T, d in dict.fromkeys(candidates(sizes, depths) + list(timed)):  # a timed tree is a candidate too
