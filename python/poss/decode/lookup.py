@@ -11,8 +11,9 @@ The rows a chain leaves unused go to the draft's next-best first-level tokens (:
 on a CPU a verify of 8 rows costs little more than one of 4-6, and the chain often stops short (no
 match, or one the tree already holds). On 16 MT-Bench prompts x 256 tokens, PosS-2's 3/1 tree with
 5 tokens, filled (8 rows every round), had tau 2.49 and ran 2.02-2.05x our AR loop; unfilled, 3/1+6
-had tau 2.44 and ran 1.97-1.99x, 4/1+5 tau 2.44 and 1.92-1.93x (three alternating repeats,
-AVX512-BF16 EPYC, one thread). Filled to 9 rows, 3/1+6 lost: its verify cost 0.9 ms more.
+had tau 2.44 and ran 1.97-1.99x, 4/1+5 tau 2.44 and 1.92-1.93x (three alternating repeats in one
+process while the fill could still be switched off, AVX512-BF16 EPYC, one thread; the filled trees'
+sweep is in docs/benchmarks.md). Filled to 9 rows, 3/1+6 lost: its verify cost 0.9 ms more.
 
 Tried and not kept (AVX512-BF16 EPYC, one thread, 2026-12-04): the continuations of the 2 or 3 latest
 distinct occurrences as one trie. With PosS-2's 4/1 tree and 4 tokens on 8 MT-Bench prompts, tau went
