@@ -114,6 +114,32 @@ def test_rope_qkv_random(B, T, kv, rep, D, data):
     run_rope("cpu", torch.float32, B, T, kv * rep, kv, D, S, start, positions, seed=T * 7 + D)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rope_qkv_calls_in_a_row_match_their_own_positions_and_frequencies(threads):
+    # The CPU kernel keeps the last call's cos / sin tables for the next layer: a call with other
+    # positions, or frequencies changed in place, must not reuse them.
+    B, T, Hq, Hkv, D, S = 2, 6, 4, 2, 8, 16
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(B, T, (Hq + 2 * Hkv) * D, generator=g)
+    kc, vc = torch.zeros(B, Hkv, S, D), torch.zeros(B, Hkv, S, D)
+    start = torch.zeros(B, dtype=torch.int32)
+    pos = torch.arange(B * T).view(B, T) + 100
+    inv_freq = inv_freq_for(D)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for step in range(4):
+            if step == 1:
+                pos[1, 3] += 7
+            if step == 2:
+                inv_freq.mul_(1.5)  # same storage, new values
+            q = poss_ext.ops.rope_qkv(qkv, pos, inv_freq, kc, vc, start, Hq, Hkv)
+            expected = rope_expected(qkv.view(B, T, Hq + 2 * Hkv, D)[:, :, :Hq], pos, inv_freq).transpose(1, 2)
+            torch.testing.assert_close(q.double(), expected, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_opcheck():
     g = torch.Generator().manual_seed(0)
     x, r = torch.randn(3, 16, generator=g), torch.randn(3, 16, generator=g)

@@ -7,6 +7,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -153,6 +154,35 @@ void rotate_head(const scalar_t* src, scalar_t* dst, const float* cs, const floa
   store_f32(out_buf, dst, D);
 }
 
+// cos / sin of every (row, frequency) angle of a call, [B*T, D/2] each. Every layer of a forward
+// rotates by the same positions and frequencies, so the tables of the last call are kept and reused
+// when both match by value (compared in full: a stale table is never used). Taking the 32 double
+// cos/sin per row once per forward instead of once per layer saved ~3 us a layer at 8 rows, a third of
+// the op (AVX512-BF16 EPYC, one thread).
+struct RopeTables {
+  std::vector<int64_t> positions;
+  std::vector<float> inv_freq;
+  std::vector<float> cos, sin;
+
+  void fill(const int64_t* pos, int64_t rows, const float* freq, int64_t half) {
+    if (static_cast<int64_t>(positions.size()) == rows && static_cast<int64_t>(inv_freq.size()) == half &&
+        std::equal(pos, pos + rows, positions.begin()) && std::equal(freq, freq + half, inv_freq.begin())) {
+      return;
+    }
+    positions.assign(pos, pos + rows);
+    inv_freq.assign(freq, freq + half);
+    cos.resize(rows * half);
+    sin.resize(rows * half);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t i = 0; i < half; ++i) {
+        const double a = rope_angle(pos[r], freq[i]);
+        cos[r * half + i] = static_cast<float>(std::cos(a));
+        sin[r * half + i] = static_cast<float>(std::sin(a));
+      }
+    }
+  }
+};
+
 at::Tensor rope_qkv_cpu(const at::Tensor& qkv_in, const at::Tensor& positions_in,
                         const at::Tensor& inv_freq_in, at::Tensor& k_cache, at::Tensor& v_cache,
                         const at::Tensor& start_in, int64_t num_heads, int64_t num_kv_heads) {
@@ -169,33 +199,32 @@ at::Tensor rope_qkv_cpu(const at::Tensor& qkv_in, const at::Tensor& positions_in
                 "), got start = ", st[b], ", T = ", T);
   }
   auto q = at::empty({B, num_heads, T, D}, qkv.options());
+  thread_local RopeTables tables;  // per calling thread: no locks, and a forward runs on one
+  tables.fill(positions.data_ptr<int64_t>(), B * T, inv_freq.data_ptr<float>(), half);
+  // The workers read the caller's tables: inside a lambda, `tables` would name their own.
+  const float* cos_rows = tables.cos.data();
+  const float* sin_rows = tables.sin.data();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_qkv", [&] {
     const scalar_t* src = qkv.data_ptr<scalar_t>();
-    const int64_t* pos = positions.data_ptr<int64_t>();
-    const float* freq = inv_freq.data_ptr<float>();
     scalar_t* qo = q.data_ptr<scalar_t>();
     scalar_t* kc = k_cache.data_ptr<scalar_t>();
     scalar_t* vc = v_cache.data_ptr<scalar_t>();
     const int64_t row = (num_heads + 2 * num_kv_heads) * D;
     at::parallel_for(0, B * T, 4, [&](int64_t begin, int64_t end) {
-      std::vector<float> cs(half), sn(half), in_buf(D), out_buf(D);
+      std::vector<float> in_buf(D), out_buf(D);
       for (int64_t bt = begin; bt < end; ++bt) {
         const int64_t b = bt / T, t = bt % T;
-        for (int64_t i = 0; i < half; ++i) {
-          const double a = rope_angle(pos[bt], freq[i]);
-          cs[i] = static_cast<float>(std::cos(a));
-          sn[i] = static_cast<float>(std::sin(a));
-        }
+        const float* cs = cos_rows + bt * half;
+        const float* sn = sin_rows + bt * half;
         const scalar_t* r = src + bt * row;
         for (int64_t h = 0; h < num_heads; ++h) {
-          rotate_head(r + h * D, qo + ((b * num_heads + h) * T + t) * D, cs.data(), sn.data(), D,
-                      in_buf.data(), out_buf.data());
+          rotate_head(r + h * D, qo + ((b * num_heads + h) * T + t) * D, cs, sn, D, in_buf.data(),
+                      out_buf.data());
         }
         const int64_t slot = st[b] + t;
         for (int64_t h = 0; h < num_kv_heads; ++h) {
           const int64_t dst = ((b * num_kv_heads + h) * S + slot) * D;
-          rotate_head(r + (num_heads + h) * D, kc + dst, cs.data(), sn.data(), D, in_buf.data(),
-                      out_buf.data());
+          rotate_head(r + (num_heads + h) * D, kc + dst, cs, sn, D, in_buf.data(), out_buf.data());
           const scalar_t* v = r + (num_heads + num_kv_heads + h) * D;
           std::copy(v, v + D, vc + dst);
         }

@@ -53,8 +53,14 @@ constexpr int64_t kRowBlock = 64;  // weight rows per thread work unit
 // Prefetching a fixed distance ahead of that stream, linearly, one line per 64 bytes consumed,
 // keeps enough reads in flight: at one x row it streamed 15-30 % faster than prefetching the next
 // micro-kernel's rows at the same k (AVX512-BF16 EPYC, one core; 8 KB beat 4, 6, 12 and 16 KB).
-// The AVX512-BF16 kernel prefetches into L2 (_MM_HINT_T1): at 4-6 x rows it streamed up to 1.3x
-// faster than into L1, and no slower at 1-3 (same CPU, alternated runs).
+// The prefetches are non-temporal (_MM_HINT_NTA): a weight is read once per forward, so its lines
+// should not evict what the round reads again, the KV cache, the activations, the draft's weights.
+// On the AVX512-BF16 EPYC (one thread, bf16, 16 MT-Bench prompts x 256 tokens, the hint switched in
+// one process, three alternations) our AR loop ran 8-11 % faster than with L2 prefetches
+// (_MM_HINT_T1) and PosS-2's 2/1+6 rounds 4-17 %, its draft and commit phases 0.3 and 0.1 ms
+// shorter; fp32 and the AVX2 bf16 kernel (POSS_LINEAR=avx2) on the same CPU gained 0-6 %. A
+// weight stream alone (bench_weight_stream.py) runs as fast either way. (Into L2 had streamed up to
+// 1.3x faster than into L1 at 4-6 x rows.)
 constexpr int64_t kPrefetchBytes = 8192;
 
 #ifndef POSS_LINEAR_MAX_ROWS
@@ -64,13 +70,12 @@ constexpr int64_t kPrefetchBytes = 8192;
 #ifdef POSS_X86_KERNELS
 
 // Prefetch for the k step that starts at element k of a micro-kernel over NR rows of `w`: the line(s)
-// `offset` bytes past what this step reads (a hint: addresses past the weights are harmless), into
-// L1 (kHint = _MM_HINT_T0) or L2 (_MM_HINT_T1).
-template <int NR, int kVecBytes, decltype(_MM_HINT_T0) kHint = _MM_HINT_T0, typename T>
+// `offset` bytes past what this step reads (a hint: addresses past the weights are harmless), non-temporal.
+template <int NR, int kVecBytes, typename T>
 inline void prefetch_ahead(const T* w, int64_t k, int64_t offset) {
   const char* p = reinterpret_cast<const char*>(w) + offset + k * static_cast<int64_t>(sizeof(T)) * NR;
 #pragma GCC unroll 8
-  for (int l = 0; l < NR * kVecBytes / 64; ++l) _mm_prefetch(p + 64 * l, kHint);
+  for (int l = 0; l < NR * kVecBytes / 64; ++l) _mm_prefetch(p + 64 * l, _MM_HINT_NTA);
 }
 
 template <typename T>
@@ -158,7 +163,7 @@ struct Bf16Avx512 {
         __m512bh wv[NR];
 #pragma GCC unroll 8
         for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * K + k);
-        prefetch_ahead<NR, 64, _MM_HINT_T1>(w, k, prefetch);
+        prefetch_ahead<NR, 64>(w, k, prefetch);
 #pragma GCC unroll 12
         for (int i = 0; i < MR; ++i) {
           const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * K + k);
@@ -171,7 +176,7 @@ struct Bf16Avx512 {
         __m512bh xv[MR];
 #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) xv[i] = (__m512bh)_mm512_loadu_si512(x + i * K + k);
-        prefetch_ahead<NR, 64, _MM_HINT_T1>(w, k, prefetch);
+        prefetch_ahead<NR, 64>(w, k, prefetch);
 #pragma GCC unroll 8
         for (int j = 0; j < NR; ++j) {
           const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + j * K + k);

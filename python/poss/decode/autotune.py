@@ -86,7 +86,7 @@ LOOKUP_TREES = 2  # the best trees refine also times with a chain (besides LOOKU
 LOOKUP_ALWAYS = ((2, 1), (3, 1), (4, 1))
 LOOKUP_MIN_TOKENS = 2  # the chain of a tree as tall as the row budget or taller
 DEFAULT_S, DEFAULT_BETA = 1.0, 0.5
-CACHE_VERSION = 11  # bump when what is measured or its kernels change: old cache files are then ignored
+CACHE_VERSION = 12  # bump when what is measured or its kernels change: old cache files are then ignored
 
 
 @dataclass

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 import poss_ext
+from poss.huge_pages import pack_on_huge_pages
 from poss.models.draft_config import DraftConfig
 from poss.models.kv_cache import StaticKVCache
 from poss.models.specialist import Specialist, fuse
@@ -52,9 +53,23 @@ class PosSDraft(nn.Module):
         """:meth:`attach` without the target check: embed / lm_head ``[V, H]``, inv_freq ``[D/2] float32``."""
         self._target = (embed, lm_head, inv_freq)
         self._head = self.head_rows(lm_head)
+        if lm_head.device.type == "cpu":
+            self._move_weights_to_huge_pages()
         self.caches = None
         self.ensure_caches(max_batch, max_seq)
         return self
+
+    def _move_weights_to_huge_pages(self) -> None:
+        # Each round streams the specialists and the head rows once, as the target streams its layers
+        # (poss.huge_pages): on 2 MB pages PosS-2's draft phase took ~0.1 ms less (of ~0.9; AVX512-BF16
+        # EPYC, one thread). The parameters stay parameters; only their storage moves.
+        params = list(self.parameters())
+        own_head = self.token_map is not None  # else the head is the target's lm_head, already moved
+        packed = pack_on_huge_pages([p.data for p in params] + ([self._head] if own_head else []))
+        for p, t in zip(params, packed):
+            p.data = t
+        if own_head:
+            self._head = packed[-1]
 
     def ensure_caches(self, batch: int, max_seq: int) -> None:
         """Make the specialists' KV caches hold ``batch`` rows of ``max_seq`` slots (contents are lost on growth)."""
