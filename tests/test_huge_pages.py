@@ -78,3 +78,27 @@ def test_runner_on_huge_pages_matches_4k_pages():
     a, fa = plain.prefill(prompts)
     b, fb = packed.prefill(prompts)
     assert torch.equal(a, b) and torch.equal(fa, fb)
+
+
+@needs_thp
+@pytest.mark.parametrize("draft_vocab", [0, 48])
+def test_a_draft_attached_to_a_cpu_target_moves_its_weights_unchanged(draft_vocab):
+    from poss.models.draft import PosSDraft
+    from poss.models.draft_config import DraftConfig
+
+    model = tiny_model("llama")
+    runner = TargetRunner(model, max_batch=1, max_seq=64, huge_pages=True)
+    cfg = DraftConfig.for_target(runner.config, "tiny", runner.fingerprint(), n_specialists=2,
+                                 positions_per_specialist=1, fc_bias=True, draft_vocab=draft_vocab)
+    d = PosSDraft(cfg)
+    if draft_vocab:
+        d.token_map.copy_(torch.arange(draft_vocab) * 2)
+    before = {k: v.clone() for k, v in d.state_dict().items()}
+    d.attach(runner, max_batch=1, max_seq=64)
+    after = d.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert all(isinstance(p, torch.nn.Parameter) for p in d.parameters())
+    assert "hg" in vm_flags_of(d.fc.weight.data_ptr())
+    assert "hg" in vm_flags_of(d.layers[1].down_proj.weight.data_ptr())
+    assert "hg" in vm_flags_of(d._head.data_ptr())
+    assert torch.equal(d._head, d.head_rows(runner.lm_head))

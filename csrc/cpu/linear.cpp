@@ -56,11 +56,12 @@ constexpr int64_t kRowBlock = 64;  // weight rows per thread work unit
 // The prefetches are non-temporal (_MM_HINT_NTA): a weight is read once per forward, so its lines
 // should not evict what the round reads again, the KV cache, the activations, the draft's weights.
 // On the AVX512-BF16 EPYC (one thread, bf16, 16 MT-Bench prompts x 256 tokens, the hint switched in
-// one process, three alternations) our AR loop ran 8-11 % faster than with L2 prefetches
-// (_MM_HINT_T1) and PosS-2's 2/1+6 rounds 4-17 %, its draft and commit phases 0.3 and 0.1 ms
-// shorter; fp32 and the AVX2 bf16 kernel (POSS_LINEAR=avx2) on the same CPU gained 0-6 %. A
-// weight stream alone (bench_weight_stream.py) runs as fast either way. (Into L2 had streamed up to
-// 1.3x faster than into L1 at 4-6 x rows.)
+// one process, four alternations) our AR loop ran at 99.4 tok/s against 89.4 with L2 prefetches
+// (_MM_HINT_T1), and PosS-2 at 2/1+6 at 213.7 against 192.6 (medians; every pair 8-12 % apart):
+// the draft and commit phases, which run after the weight stream, took 0.25 and 0.1 ms less. fp32
+// and the AVX2 bf16 kernel (POSS_LINEAR=avx2) on the same CPU gained 0-6 %. A weight stream alone
+// (bench_weight_stream.py) runs about as fast either way. (Into L2 had streamed up to 1.3x faster
+// than into L1 at 4-6 x rows.)
 constexpr int64_t kPrefetchBytes = 8192;
 
 #ifndef POSS_LINEAR_MAX_ROWS
