@@ -147,7 +147,9 @@ setup(
     package_dir={"poss": "python/poss", **{p: "drafts" for p in DRAFT_PACKAGE}},
     package_data={
         # The six eval prompt sets, their license and data card (poss.data.load_eval_set reads them).
-        "poss.data": ["eval/*.jsonl", "eval/LICENSE", "eval/README.md"],
+        "poss.data": ["eval/*.jsonl", "eval/LICENSE", "eval/README.md",
+                      # the lookup datastores (poss.decode.datastore) and their data card
+                      "datastores/*.npz", "datastores/README.md"],
         **{p: ["*/config.json", "*/model.safetensors", "*/README.md"] for p in DRAFT_PACKAGE},
     },
     ext_modules=[EXT],

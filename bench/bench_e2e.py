@@ -5,6 +5,9 @@ our shipped drafts (EAGLE-2, HASS, PosS) at the measured ``auto`` tree and at fi
 Every system decodes the same chat-templated MT-Bench first turns (token ids from our tokenizer), batch
 1, greedy, exactly ``--new`` tokens per prompt (end tokens ignored, so every row does the same work), on
 the same torch / llama.cpp thread count. tokens/s = generated tokens / wall time including the prefill.
+Our AR loop and every draft's ``auto`` row, the ratios the issue's bars are about, are timed prompt by
+prompt in turn (:func:`interleaved`), so a shared machine's drift over the run hits them alike; the
+other rows run one after another.
 
 Run (the table in docs/benchmarks.md):
     PYTHONPATH=.:python python bench/bench_e2e.py --prompts 4 --new 128 --threads 1 --out docs/bench/e2e_cpu.json
@@ -62,6 +65,37 @@ def ours(gen, prompts: Sequence[List[int]], new: int, name: str, tree=None, kind
     toks = sum(len(x) for x in out)
     return _row(name, kind, out, wall, tree=shape_of(tree), rounds=rounds,
                 tau=(toks - len(prompts)) / max(rounds, 1), round_ms=prof, decode_seconds=decode_s)
+
+
+def interleaved(gen, prompts: Sequence[List[int]], new: int, configs) -> List[Dict]:
+    """:func:`ours` rows for ``configs`` = ``[(name, kind, draft, tree, datastore)]`` (draft None: our AR
+    loop; ``gen.draft`` / ``gen.datastore`` are set to them), timed prompt by prompt in turn: every config
+    runs a prompt before any runs the next, so a shared machine's drift over the run (tens of seconds
+    per config) hits all of them alike, and their ratios are fair within one run."""
+    parts: Dict[str, List[Dict]] = {name: [] for name, *_ in configs}
+    saved = gen.draft, gen.datastore
+    try:
+        for p in prompts:
+            for name, kind, draft, tree, datastore in configs:
+                gen.draft, gen.datastore = draft, datastore
+                parts[name].append(ours(gen, [p], new, name, tree, kind))
+    finally:
+        gen.draft, gen.datastore = saved
+    rows = []
+    for name, kind, *_ in configs:
+        rs = parts[name]
+        rounds = sum(r["rounds"] for r in rs)
+        ms: Dict[str, float] = {}
+        for r in rs:
+            for k, v in r["round_ms"].items():
+                ms[k] = ms.get(k, 0.0) + v * r["rounds"]
+        ids = [r["token_ids"][0] for r in rs]
+        toks = sum(len(x) for x in ids)
+        rows.append(_row(name, kind, ids, sum(r["seconds"] for r in rs), tree=rs[0]["tree"], rounds=rounds,
+                         tau=(toks - len(prompts)) / max(rounds, 1),
+                         round_ms={k: v / max(rounds, 1) for k, v in ms.items()},
+                         decode_seconds=sum(r["decode_seconds"] for r in rs), interleaved=True))
+    return rows
 
 
 def hf(model, prompts: Sequence[List[int]], new: int, name: str, **gen_kw) -> Dict:
@@ -235,17 +269,13 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
     questions = load_eval_set("mt_bench")
     prompts = [gen.encode(r["turns"][0]) for r in questions[:n_prompts]]
     batch_prompts = [gen.encode(r["turns"][0]) for r in questions[:max(batches, default=0)]]
-    ar = ours(gen, prompts, new, "our AR loop")
-    ar["bandwidth"] = bandwidth(ar, gen.runner)
-    rows = [ar]
-    log(f"  {ar['name']}: {ar['tokens_per_s']:.1f} tok/s")
-    if pages_row and huge_pages_available():
-        rows.append(small_pages_row(gen, load_model(resolve("smollm2-135m"), dtype=dt)[1], prompts, new))
-        log(f"  {rows[-1]['name']}: {rows[-1]['tokens_per_s']:.1f} tok/s")
+    # Each draft's auto tree first (calibration), then our AR loop and every auto row prompt by prompt in
+    # turn (interleaved): the headline ratios come from one pass over the prompts.
+    attached = {}
     for folder in shipped_drafts("smollm2-135m"):
         if drafts and folder.name not in drafts:
             continue
-        gen.draft = PosSDraft.load(folder, dtype=dt).attach(gen.runner, 1, 256)
+        gen.draft = attached[folder.name] = PosSDraft.load(folder, dtype=dt).attach(gen.runner, 1, 256)
         t = time.perf_counter()
         cal = calibrate(gen)
         auto = choose(cal)
@@ -253,25 +283,29 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
                                     "calibration": cal.to_json(),
                                     "calibration_seconds": time.perf_counter() - t,
                                     "top": score_table(cal)[:6]}
-        measured = {}
-        for T, d in (fixed if folder.name == sweep_draft else fixed[:1 if fixed_all else 0]):
-            r = ours(gen, prompts, new, f"{folder.name} {T}/{d}", TreeParams(num_nodes=T, depth=d), "draft")
-            r["draft"] = folder.name
-            rows.append(r)
-            measured[(T, d)] = r
-            log(f"  {r['name']}: {r['tokens_per_s']:.1f} tok/s, tau {r['tau']:.2f}")
-        key = (auto.num_nodes, auto.depth)
-        name = f"{folder.name} auto (= {shape_of(auto)})"
-        if not auto.lookup and (key in measured or auto.depth == 0):
-            # The same configuration was timed in this run (root-only = our AR loop's code path): reuse it.
-            same = measured.get(key, ar)
-            r = {**{k: v for k, v in same.items() if k != "bandwidth"}, "name": name, "kind": "draft",
-                 "draft": folder.name, "reused_from": same["name"]}
-        else:
-            r = ours(gen, prompts, new, name, auto, "draft")
-            r["draft"] = folder.name
-        rows.insert(len(rows) - len(measured), r)
+        log(f"  {folder.name}: auto = {shape_of(auto)} ({time.perf_counter() - t:.0f} s of calibration)")
+    gen.draft = None
+    store = gen.datastore
+    autos = [(f"{name} auto (= {a['tree']})", "draft", attached[name],
+              TreeParams(num_nodes=a["params"][0], depth=a["params"][1], lookup=a["params"][2]), store)
+             for name, a in out["auto"].items()]
+    ar, *auto_rows = interleaved(gen, prompts, new, [("our AR loop", "ours", None, None, None)] + autos)
+    ar["bandwidth"] = bandwidth(ar, gen.runner)
+    rows = [ar]
+    log(f"  {ar['name']}: {ar['tokens_per_s']:.1f} tok/s")
+    if pages_row and huge_pages_available():
+        rows.append(small_pages_row(gen, load_model(resolve("smollm2-135m"), dtype=dt)[1], prompts, new))
+        log(f"  {rows[-1]['name']}: {rows[-1]['tokens_per_s']:.1f} tok/s")
+    for name, r in zip(out["auto"], auto_rows):
+        r["draft"] = name
+        rows.append(r)
         log(f"  {r['name']}: {r['tokens_per_s']:.1f} tok/s, tau {r['tau']:.2f}")
+        gen.draft = attached[name]
+        for T, d in (fixed if name == sweep_draft else fixed[:1 if fixed_all else 0]):
+            r = ours(gen, prompts, new, f"{name} {T}/{d}", TreeParams(num_nodes=T, depth=d), "draft")
+            r["draft"] = name
+            rows.append(r)
+            log(f"  {r['name']}: {r['tokens_per_s']:.1f} tok/s, tau {r['tau']:.2f}")
     folder = next((f for f in shipped_drafts("smollm2-135m") if f.name == sweep_draft), None)
     sweep = PosSDraft.load(folder, dtype=dt).attach(gen.runner, 1, 256) if lookups and folder else None
     for spec in lookups:  # prompt lookup merged into the tree (poss.decode.lookup): rows apart from the drafts
@@ -426,6 +460,12 @@ def test_rows_tiny(benchmark, tiny, bench_threads, tmp_path, monkeypatch):
     gen.draft = None
     rows.append(ours(gen, prompts, 16, "prompt lookup 4", TreeParams(1, 0, lookup=4)))
     gen.draft = draft
+    turns = interleaved(gen, prompts, 16, [("AR, interleaved", "ours", None, None, None),
+                                           ("auto, interleaved", "draft", draft, auto, None)])
+    # the same greedy work as the rows timed one config at a time, and the generator left as it was
+    assert gen.draft is draft and [r["rounds"] for r in turns] == [ar["rounds"], rows[1]["rounds"]]
+    assert turns[1]["tree"] == shape_of(auto) and turns[1]["tau"] == rows[1]["tau"]
+    rows += turns
     if huge_pages_available():
         rows.append(small_pages_row(gen, model, prompts, 16))
         assert rows[-1]["bandwidth"]["steps"] == ar["rounds"]

@@ -2,12 +2,14 @@
 
     PYTHONPATH=.:python python scripts/tree_sweep.py --trees 4/1+4 3/1+6 6/2+4 --prompts 8 --repeats 3
 
-Each repeat times our AR loop and then every tree (``NODES/DEPTH`` or ``NODES/DEPTH+K``) on the same
-MT-Bench first turns, greedy, batch 1, ``--new`` tokens each (end tokens ignored), with the shipped
+Each repeat times our AR loop and then every tree (``NODES/DEPTH`` or ``NODES/DEPTH+K``), prompt by
+prompt, on the same MT-Bench first turns, greedy, batch 1, ``--new`` tokens each (end tokens ignored), with the shipped
 draft ``--draft``. The table gives, per tree, the median over repeats of tokens/s and of its ratio to
 the AR loop of the same repeat (a shared machine drifts between repeats, less within one), the spread
 of that ratio, tau and the ms per round. It is for ranking trees close to each other: ``auto``
-(:mod:`poss.decode.autotune`) times only its own candidates.
+(:mod:`poss.decode.autotune`) times only its own candidates. Chains come from the context, then from
+the datastore ``poss.load`` ships for the target (:mod:`poss.decode.datastore`); ``--datastore-ab``
+times each chained tree also without it, right after it.
 """
 
 import argparse
@@ -29,6 +31,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--datastore-ab", action="store_true",
+                    help="time every chained tree also without the shipped datastore (rows 'no datastore')")
     a = ap.parse_args(argv)
     from poss.cli_args import tree_spec
 
@@ -37,7 +41,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         ap.error(f"--trees: expected NODES/DEPTH or NODES/DEPTH+K such as 4/1+4, got {a.trees} ({e})")
     import poss
-    from bench_e2e import ours, shape_of
+    from bench_e2e import interleaved, shape_of
     from poss import hardware
     from poss.data.eval_sets import load_eval_set
     from poss.models.draft import PosSDraft
@@ -51,20 +55,27 @@ def main(argv=None) -> int:
     gen = poss.load("smollm2-135m", dtype=dt)
     draft = PosSDraft.load(folder, dtype=dt).attach(gen.runner, 1, 256)
     prompts = [gen.encode(r["turns"][0]) for r in load_eval_set("mt_bench")[:a.prompts]]
-    runs = {shape_of(t): [] for t in trees}
+    store = gen.datastore
+    # (name, tree, datastore): with --datastore-ab, each chained tree also without the datastore
+    configs = [(shape_of(t), t, store) for t in trees]
+    if a.datastore_ab:
+        configs += [(f"{shape_of(t)}, no datastore", t, None) for t in trees if t.lookup]
+        configs.sort(key=lambda c: trees.index(c[1]))  # each tree's pair back to back
+    runs = {name: [] for name, _, _ in configs}
     ar_rates = []
     for rep in range(a.repeats):
-        gen.draft = None
-        ar = ours(gen, prompts, a.new, "our AR loop")["tokens_per_s"]
-        ar_rates.append(ar)
-        gen.draft = draft
-        for t in trees:
-            r = ours(gen, prompts, a.new, shape_of(t), t, "draft")
-            runs[shape_of(t)].append((r["tokens_per_s"], r["tokens_per_s"] / ar, r["tau"], r["round_ms"]))
-            print(f"repeat {rep + 1}: {shape_of(t)} {r['tokens_per_s']:.1f} tok/s = {r['tokens_per_s'] / ar:.2f}x AR "
-                  f"({ar:.1f})", file=sys.stderr, flush=True)
+        ar, *rows = interleaved(gen, prompts, a.new, [("our AR loop", "ours", None, None, None)]
+                                + [(name, "draft", draft, t, datastore) for name, t, datastore in configs])
+        ar_rates.append(ar["tokens_per_s"])
+        for r in rows:
+            ratio = r["tokens_per_s"] / ar["tokens_per_s"]
+            runs[r["name"]].append((r["tokens_per_s"], ratio, r["tau"], r["round_ms"]))
+            print(f"repeat {rep + 1}: {r['name']} {r['tokens_per_s']:.1f} tok/s = {ratio:.2f}x AR "
+                  f"({ar['tokens_per_s']:.1f})", file=sys.stderr, flush=True)
     print(f"{hardware.header(dt, a.threads)}; draft `{a.draft}`, {a.prompts} MT-Bench prompts x {a.new} new tokens, "
-          f"batch 1, greedy, {a.repeats} repeats; our AR loop {statistics.median(ar_rates):.1f} tok/s (median)\n")
+          f"batch 1, greedy, {a.repeats} repeats, chains from the context then "
+          f"{'the shipped datastore' if store is not None else 'nowhere else'}; "
+          f"our AR loop {statistics.median(ar_rates):.1f} tok/s (median)\n")
     print("| tree | tok/s | x our AR (median, min-max) | tau | ms per round: draft / verify / commit |")
     print("|---|---|---|---|---|")
     for name, rs in sorted(runs.items(), key=lambda kv: -statistics.median(x[1] for x in kv[1])):

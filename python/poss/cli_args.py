@@ -190,6 +190,15 @@ def check_target(value: str, flag: str = "--target") -> None:
                      "an HF model folder with config.json, nor a .gguf file")
 
 
+DATASTORE_HELP = ("where a lookup chain comes from when the context holds no match: auto (the datastore shipped "
+                  "for a registry target, if any), none, or a .npz from scripts/build_datastore.py")
+
+
+def datastore_arg(value: str):
+    """``--datastore``: ``"auto"``, None for ``"none"``, else the path as given (checked on load)."""
+    return None if value == "none" else value
+
+
 RETUNE_HELP = ("time this machine again instead of using the cached timings (after a first run on a busy "
                "machine)")
 

@@ -30,7 +30,8 @@ cost, else 6), on the same prompts. A chained tree is scored with its plain tree
 measured ratio, at the verify cost of its rows. With SmolLM2-135M on one AVX512-BF16 core the
 chained depth-1 trees ran 1.2-1.3x the best plain tree (6/2) on the MT-Bench benchmark and were
 faster on all six eval sets (benchmarks.md, eval.md). A 9-row verify cost 0.9 ms more than an
-8-row one there, hence 8.
+8-row one there, hence 8. The chains are timed as the generator makes them, from its datastore
+(:mod:`poss.decode.datastore`) where the context holds no match, and the cache keys on it.
 
 Costs are timed once (:func:`calibrate`) by greedy generation with the generator's own profile on
 MT-Bench prompts (by default three prompts, 64 tokens each per config, interleaved; lower quartile per
@@ -262,7 +263,9 @@ def cache_key(gen) -> Dict:
             "linear": poss_ext.ops.cpu_linear_kernel(gen.runner.dtype) if on_cpu else "aten",
             "threads": torch.get_num_threads(), "dtype": str(gen.runner.dtype).replace("torch.", ""),
             "target": gen.runner.fingerprint(),
-            "draft": weight_fingerprint(list(draft.named_parameters())) if draft is not None else None}
+            "draft": weight_fingerprint(list(draft.named_parameters())) if draft is not None else None,
+            # the chains' worth depends on where they come from (poss.decode.datastore)
+            "datastore": gen.datastore.fingerprint if getattr(gen, "datastore", None) is not None else None}
 
 
 def cache_dir():

@@ -5,11 +5,13 @@ import re
 import sys
 
 from poss.cli_args import (
+    DATASTORE_HELP,
     LOOKUP_HELP,
     RETUNE_HELP,
     UsageError,
     check_draft,
     check_target,
+    datastore_arg,
     float_in,
     int_at_least,
     int_or_auto,
@@ -57,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser, chat: bool) -> None:
     t.add_argument("--beam-width", "--top-k-draft", dest="beam_width", type=int_at_least(1), default=10,
                    help="children kept per frontier node and frontier size per level")
     t.add_argument("--lookup", type=int_or_auto(0), default="auto", help=LOOKUP_HELP)
+    t.add_argument("--datastore", type=datastore_arg, default="auto", help=DATASTORE_HELP)
     t.add_argument("--retune", action="store_true", help=RETUNE_HELP)
 
 
@@ -100,7 +103,7 @@ def _load(args):
     limit = getattr(args, "speculate_max_batch", "auto")  # chat has one conversation: no flag
     return load(args.target, draft=chosen_draft(args, "poss"), dtype=resolve_dtype(args.dtype, "cpu"),
                 compile=args.compile, speculate_max_batch=None if limit == "off" else limit,
-                retune=args.retune)
+                retune=args.retune, datastore=args.datastore)
 
 
 def _speed_line(stats) -> str:

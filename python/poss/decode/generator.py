@@ -80,11 +80,14 @@ class Generator:
             ``max_position_embeddings``.
         end_ids: token ids that end a request; defaults to EOS + the template's end-of-turn token.
         target_path: the HF folder of the target (informational).
+        datastore: a :class:`~poss.decode.datastore.Datastore` of the target's own text that supplies a
+            round's lookup chain where the context holds none (trees with ``lookup > 0`` only), or None.
     """
 
     def __init__(self, runner, tokenizer=None, draft=None, context_limit: Optional[int] = None,
-                 end_ids=None, target_path=None, generation_config=None):
+                 end_ids=None, target_path=None, generation_config=None, datastore=None):
         self.runner, self.tokenizer, self.draft = runner, tokenizer, draft
+        self.datastore = datastore
         self.target_path = target_path
         self.context_limit = int(context_limit or getattr(runner.config, "max_position_embeddings", 4096))
         self.end_ids = set(end_token_ids(tokenizer, generation_config) if end_ids is None else end_ids)
@@ -95,7 +98,7 @@ class Generator:
         # The tree of calls that pass none: a TreeParams, or "auto" (poss.load's default), resolved on
         # first use by timing this machine (autotune; cached on disk) and then kept per beam width.
         self.default_tree: Union[TreeParams, str] = TreeParams()
-        self._auto_trees: Dict[int, TreeParams] = {}
+        self._auto_trees: Dict[tuple, TreeParams] = {}
         self.speculate_max_batch = None
         self._limits: Dict[tuple, Optional[int]] = {}
 
@@ -194,9 +197,10 @@ class Generator:
 
     def auto_tree(self, beam_width: int = TreeParams.beam_width) -> TreeParams:
         """``TreeParams.auto(self)``, kept for the generator's lifetime (the first call may time the machine)."""
-        if beam_width not in self._auto_trees:
-            self._auto_trees[beam_width] = TreeParams.auto(self, beam_width=beam_width)
-        return self._auto_trees[beam_width]
+        key = (beam_width, id(self.datastore))  # a datastore changes what the lookup chains are worth
+        if key not in self._auto_trees:
+            self._auto_trees[key] = TreeParams.auto(self, beam_width=beam_width)
+        return self._auto_trees[key]
 
     def speculation_limit(self, tree: TreeParams) -> Optional[int]:
         """The batch size above which a call's rounds do not speculate (None: no limit), from
@@ -321,7 +325,7 @@ class Generator:
         else:
             tree = root_only_tree(batch.root_tokens())
         if lookup:
-            tree = add_lookup(tree, [r.prompt + r.generated for r in batch.requests], lookup)
+            tree = add_lookup(tree, [r.prompt + r.generated for r in batch.requests], lookup, self.datastore)
         t = self._record("draft", t)
         N = tree.tokens.shape[1]
         for r in batch.requests:

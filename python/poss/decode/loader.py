@@ -12,7 +12,8 @@ from poss.decode.params import TreeParams
 def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, Path]] = None,
          dtype: Union[str, torch.dtype] = "auto", device="cpu", context_limit: Optional[int] = None,
          tree: Union[TreeParams, str] = "auto", compile: bool = False,
-         speculate_max_batch: Union[int, str, None] = "auto", retune: bool = False) -> Generator:
+         speculate_max_batch: Union[int, str, None] = "auto", retune: bool = False,
+         datastore: Union[str, Path, None] = "auto") -> Generator:
     """Load the target offline and, when ``draft`` is a PosS draft folder, attach it.
 
     With ``draft=None`` the generator decodes autoregressively on the same runner (the baseline);
@@ -30,7 +31,11 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
     (:func:`poss.decode.autotune.forget`), so both ``"auto"`` choices measure again (after timings
     taken on a busy machine). ``compile``: :func:`compile_steps` (off by default: on the development CPU it
     bought 2-8 % for ~30 s of compilation, see docs/benchmarks.md). Raises ``ValueError`` when the draft
-    was trained for a different target.
+    was trained for a different target. ``datastore``: the :class:`~poss.decode.datastore.Datastore`
+    whose text fills a round's lookup chain where the context holds none: ``"auto"`` (the default) the
+    one shipped for a registry target (:func:`~poss.decode.datastore.shipped_datastore_path`) when
+    it was made by these weights, else none; a ``.npz`` path; or None for none. Raises
+    ``ValueError`` when a given datastore records another target.
     """
     from poss.hardware import resolve_dtype
     from poss.models.draft import PosSDraft
@@ -46,7 +51,8 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
     if draft is not None:
         d = PosSDraft.load(draft, dtype=dtype, device=device).attach(runner, max_batch=1, max_seq=256)
     gen = Generator(runner, tokenizer=tokenizer, draft=d, context_limit=context_limit, target_path=path,
-                    generation_config=getattr(model, "generation_config", None))
+                    generation_config=getattr(model, "generation_config", None),
+                    datastore=load_datastore(datastore, target, runner))
     gen.default_tree = tree
     gen.speculate_max_batch = speculate_max_batch
     if retune:
@@ -54,6 +60,30 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
 
         forget(gen)
     return compile_steps(gen) if compile else gen
+
+
+def load_datastore(datastore: Union[str, Path, None], target: Union[str, Path], runner):
+    """The :class:`~poss.decode.datastore.Datastore` that ``poss.load``'s ``datastore`` names for
+    ``target`` (see there), or None."""
+    from poss.decode.datastore import Datastore, shipped_datastore_path
+
+    if datastore is None:
+        return None
+    auto = isinstance(datastore, str) and datastore == "auto"
+    path = shipped_datastore_path(str(target)) if auto else Path(datastore)
+    if path is None:
+        return None
+    if not auto and not path.is_file():
+        raise ValueError(f"datastore: no file at {path} (expected a .npz from scripts/build_datastore.py, "
+                         "'auto' or None)")
+    store = Datastore.load(path)
+    made_by = store.meta.get("target_fingerprint")
+    if made_by is not None and made_by != runner.fingerprint():
+        if auto:
+            return None  # a registry name bound to other weights: no shipped text for them
+        raise ValueError(f"datastore {path} was made by target weights {made_by}, this target is "
+                         f"{runner.fingerprint()}")
+    return store
 
 
 def compile_steps(gen: Generator) -> Generator:

@@ -19,14 +19,20 @@ Tried and not kept (AVX512-BF16 EPYC, one thread, 2026-12-04): the continuations
 distinct occurrences as one trie. With PosS-2's 4/1 tree and 4 tokens on 8 MT-Bench prompts, tau went
 from 2.30 to 2.37-2.38, but the extra rows cost 0.6-1.2 ms a verify, so it ran no faster (three
 alternating repeats).
+
+Where the context holds no match, a :class:`~poss.decode.datastore.Datastore` of the target's own
+answers to other prompts can supply the chain instead (:mod:`poss.decode.datastore`).
 """
 
 from array import array
-from typing import List, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence
 
 import torch
 
 from poss.decode.draft_tree import Tree
+
+if TYPE_CHECKING:
+    from poss.decode.datastore import Datastore
 
 MAX_NGRAM = 3
 
@@ -49,9 +55,10 @@ def continuation(context: Sequence[int], k: int, max_ngram: int = MAX_NGRAM) -> 
     return []
 
 
-def add_lookup(tree: Tree, contexts: Sequence[Sequence[int]], k: int) -> Tree:
+def add_lookup(tree: Tree, contexts: Sequence[Sequence[int]], k: int, datastore: Optional["Datastore"] = None) -> Tree:
     """``tree`` with each row's lookup chain (:func:`continuation` of ``contexts[b]``, up to ``k``
-    tokens) merged in; ``contexts[b]`` ends with row b's root token.
+    tokens; where the context holds none, ``datastore``'s :meth:`~poss.decode.datastore.Datastore.continuation`)
+    merged in; ``contexts[b]`` ends with row b's root token.
 
     Every row gets the same number E of new nodes (ids N .. N+E-1, after the tree's): the longest
     remainder of a chain that the tree did not already hold, or ``k`` when the tree carries spare
@@ -67,6 +74,8 @@ def add_lookup(tree: Tree, contexts: Sequence[Sequence[int]], k: int) -> Tree:
     merged = []  # per row: (node the remainder hangs below, the remainder)
     for b, ctx in enumerate(contexts):
         chain = continuation(ctx, k)
+        if not chain and datastore is not None:
+            chain = datastore.continuation(ctx, k)
         node, i = 0, 0
         while i < len(chain):
             child = next((c for c in range(node + 1, N) if parents[b][c] == node and tokens[b][c] == chain[i]), None)

@@ -5,12 +5,14 @@ import sys
 from pathlib import Path
 
 from poss.cli_args import (
+    DATASTORE_HELP,
     LOOKUP_HELP,
     RETUNE_HELP,
     Formatter,
     UsageError,
     check_draft,
     check_target,
+    datastore_arg,
     int_at_least,
     int_or_auto,
     target_help,
@@ -49,6 +51,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--speculate-max-batch", type=int_or_auto(1, words=("auto", "off")), default="auto",
                    help="speculate only while at most this many requests are live; larger batches decode "
                         "plainly (auto: measured once on this machine; off: always speculate)")
+    p.add_argument("--datastore", type=datastore_arg, default="auto", help=DATASTORE_HELP)
     p.add_argument("--retune", action="store_true", help=RETUNE_HELP)
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level")
@@ -85,7 +88,8 @@ def run_serve(args) -> int:
 
     draft = chosen_draft(args, "poss serve")
     try:
-        gen = load(args.target, draft=draft, dtype=args.dtype, device=args.device, retune=args.retune)
+        gen = load(args.target, draft=draft, dtype=args.dtype, device=args.device, retune=args.retune,
+                   datastore=args.datastore)
         tree = gen.resolve_tree(tree_from_flags(args.num_nodes, args.depth, args.beam_width, args.lookup),
                                 beam_width=args.beam_width,
                                 **({} if args.lookup == "auto" else {"lookup": args.lookup}))
