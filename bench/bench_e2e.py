@@ -501,10 +501,11 @@ def test_report_renders(tmp_path):
            "rows": [{"name": "our AR loop", "kind": "ours", "tokens_per_s": 20.0, "tree": "1/0", "tau": 1.0,
                      "identical_to_ar": "1/1", "bandwidth": {"achieved_gbs": 5.0, "weight_bytes": 1, "steps": 1}},
                     {"name": "poss2 auto", "kind": "draft", "tokens_per_s": 25.0, "tree": "8/3", "tau": 1.6,
-                     "identical_to_ar": "1/1"},
+                     "identical_to_ar": "1/1", "interleaved": True},
                     {"name": "HF generate", "kind": "hf", "tokens_per_s": 10.0, "identical_to_ar": "1/1"}]}
     md = rep.table(res)
     assert md.count("\n|") >= 4 and "1.25" in md and "5.0 GB/s" in md
+    assert "| poss2 auto † |" in md and "| HF generate |" in md and "† timed prompt by prompt" in md
     png = tmp_path / "x.png"
     rep.chart(res, png)
     assert png.stat().st_size > 1000

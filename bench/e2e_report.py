@@ -33,8 +33,12 @@ def table(res: Dict) -> str:
         tau = f"{r['tau']:.2f}" if "tau" in r else ""
         ms = r.get("round_ms") or {}
         phases = " / ".join(f"{ms.get(k, 0.0):.1f}" for k in ("draft", "verify", "commit", "host")) if ms else ""
-        lines.append(f"| {r['name']} | {r.get('tree', '')} | {r['tokens_per_s']:.1f} | {x_ar} | {x_hf} | {tau} "
+        mark = " †" if r.get("interleaved") else ""
+        lines.append(f"| {r['name']}{mark} | {r.get('tree', '')} | {r['tokens_per_s']:.1f} | {x_ar} | {x_hf} | {tau} "
                      f"| {phases} | {r.get('identical_to_ar', '')} |")
+    if any(r.get("interleaved") for r in rows):
+        lines += ["", "† timed prompt by prompt in turn (`bench_e2e.interleaved`): their ratios are the "
+                  "run's fair comparison; the other rows ran one after another, at other moments of the run."]
     measured = [r for r in rows if "bandwidth" in r]
     if measured:
         lines.append("")

@@ -108,6 +108,19 @@ def test_lookup_alone_runs_on_a_tiny_folder(tiny_target_folder, capsys):
     assert "tokens/s" in capsys.readouterr().err
 
 
+def test_lookup_with_a_datastore_file_and_a_foreign_one(tiny_target_folder, tmp_path, capsys):
+    from poss.decode.datastore import Datastore
+
+    base = ["generate", "--no-draft", "--lookup", "4", "--target", str(tiny_target_folder), "--prompt", "hi",
+            "--max-new-tokens", "8", "--threads", "1", "--datastore"]
+    Datastore.from_documents([[5, 6, 7, 8]], meta={"target_fingerprint": "0123456789abcdef"}).save(tmp_path / "x.npz")
+    fails(base + [str(tmp_path / "x.npz")], "poss generate", capsys, "made by target weights 0123456789abcdef")
+    fails(base + [str(tmp_path / "missing.npz")], "poss generate", capsys, "datastore: no file")
+    Datastore.from_documents([[5, 6, 7, 8]]).save(tmp_path / "any.npz")  # no fingerprint recorded: taken as given
+    assert main(base + [str(tmp_path / "any.npz")]) == 0
+    assert main(base + ["none"]) == 0
+
+
 @pytest.mark.parametrize("flag,value", [("--top-p", "0.9"), ("--top-k", "5"), ("--min-p", "0.1")])
 def test_sampling_filters_need_a_temperature(flag, value, capsys):
     fails(["generate", "--prompt", "hi", flag, value], flag, capsys, "--temperature > 0")
