@@ -4,11 +4,11 @@
         --out python/poss/data/datastores/smollm2-135m.npz
 
 Every training answer (``split == "train"``) of every folder's ``records.jsonl`` or
-``records.jsonl.xz`` becomes one document; an answer to a prompt answered at greater length elsewhere (the
-same prompt answered with a shorter cap, by ``source_index``) is left out. Held-out answers are left out too, so that
-accuracy measured on them is not helped by the datastore. All folders must record the same target
-fingerprint in ``meta.json``; it goes into the file, and :func:`poss.load` uses the datastore only
-with that target.
+``records.jsonl.xz`` becomes one document, except where the same prompt (``source_index``) has a
+longer answer in another folder (a greedy answer cut by a smaller cap is the longer one's prefix).
+Held-out answers are left out, so that accuracy measured on them is not helped by the datastore.
+All folders must record the same target fingerprint in ``meta.json``; it goes into the file, and
+:func:`poss.load` uses the datastore only with that target.
 """
 
 import argparse
