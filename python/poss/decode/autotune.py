@@ -265,7 +265,7 @@ def cache_key(gen) -> Dict:
             "target": gen.runner.fingerprint(),
             "draft": weight_fingerprint(list(draft.named_parameters())) if draft is not None else None,
             # the chains' worth depends on where they come from (poss.decode.datastore)
-            "datastore": gen.datastore.fingerprint if getattr(gen, "datastore", None) is not None else None}
+            "datastore": gen.datastore.fingerprint if gen.datastore is not None else None}
 
 
 def cache_dir():

@@ -34,19 +34,19 @@ SEPARATOR = -1
 _SEPARATOR_U16 = 0xFFFF
 
 
-def _hash_windows(tokens: np.ndarray, n: int) -> np.ndarray:
-    """uint64 polynomial hash of every window ``tokens[i:i+n]`` (``len(tokens) - n + 1`` values)."""
+def _extend_hashes(h: np.ndarray, tokens: np.ndarray, n: int) -> np.ndarray:
+    """The uint64 polynomial hashes of every window ``tokens[i:i+n]`` (``len(tokens) - n + 1`` values)
+    from those of the windows one token shorter (``h``; empty for n = 1)."""
     L = len(tokens) - n + 1
-    t = tokens.astype(np.uint64)
-    h = np.zeros(L, dtype=np.uint64)
+    last = tokens[n - 1:].astype(np.uint64)
+    if n == 1:
+        return last
     with np.errstate(over="ignore"):
-        for j in range(n):
-            h = h * _MULT + t[j:j + L]
-    return h
+        return h[:L] * _MULT + last
 
 
 def _hash_tuple(window: Sequence[int]) -> int:
-    """:func:`_hash_windows` of one window, in Python integers (the same value)."""
+    """:func:`_extend_hashes`' hash of one window, in Python integers (the same value)."""
     h, m = 0, int(_MULT)
     for x in window:
         h = (h * m + (x & _MASK)) & _MASK
@@ -68,8 +68,7 @@ class Datastore:
         tokens = np.asarray(tokens)
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
             raise ValueError(f"tokens must be a 1-D integer array, got shape {tokens.shape} and dtype {tokens.dtype}")
-        tokens = tokens.astype(np.int64)
-        if tokens.size and (tokens.min() < SEPARATOR or tokens.max() >= 2**31):
+        if tokens.size and (int(tokens.min()) < SEPARATOR or int(tokens.max()) >= 2**31):
             raise ValueError(f"tokens must be ids in [0, 2**31) or the separator {SEPARATOR}, got values in "
                              f"[{tokens.min()}, {tokens.max()}]")
         self.tokens = tokens.astype(np.int32)
@@ -80,19 +79,23 @@ class Datastore:
         self._keys: Dict[int, np.ndarray] = {}  # n -> sorted unique window hashes
         self._ends: Dict[int, np.ndarray] = {}  # n -> the latest window end (the continuation's start) per hash
         sep = np.concatenate([[0], np.cumsum(self.tokens == SEPARATOR)])  # separators in tokens[:i]
-        for n in range(min_ngram, max_ngram + 1):
-            if len(self.tokens) <= n:
-                self._keys[n], self._ends[n] = np.zeros(0, np.uint64), np.zeros(0, np.int32)
+        windows = self.tokens[:-1]  # a window needs a continuation after it
+        h = np.zeros(0, np.uint64)
+        for n in range(1, max_ngram + 1):
+            if len(windows) < n:
+                h = np.zeros(0, np.uint64)
+            else:
+                h = _extend_hashes(h, windows, n)  # windows[e-n:e] for e = n .. len(tokens) - 1
+            if n < min_ngram:
                 continue
-            ends = np.arange(n, len(self.tokens), dtype=np.int64)  # window tokens[e-n:e], continuation tokens[e]
+            ends = np.arange(n, n + len(h), dtype=np.int64)  # window tokens[e-n:e], continuation tokens[e]
             ok = (sep[ends + 1] - sep[ends - n]) == 0  # no separator in the window nor at its continuation
-            h = _hash_windows(self.tokens[:-1], n)[ok]
-            ends = ends[ok]
-            order = np.argsort(h, kind="stable")  # equal hashes keep position order: the last is the latest
-            h, ends = h[order], ends[order]
-            last = np.ones(len(h), dtype=bool)
-            last[:-1] = h[1:] != h[:-1]
-            self._keys[n], self._ends[n] = h[last], ends[last].astype(np.int32)
+            hn, ends = h[ok], ends[ok]
+            order = np.argsort(hn, kind="stable")  # equal hashes keep position order: the last is the latest
+            hn, ends = hn[order], ends[order]
+            last = np.ones(len(hn), dtype=bool)
+            last[:-1] = hn[1:] != hn[:-1]
+            self._keys[n], self._ends[n] = hn[last], ends[last].astype(np.int32)
 
     def __len__(self) -> int:
         return int(len(self.tokens) - np.count_nonzero(self.tokens == SEPARATOR))
@@ -103,9 +106,9 @@ class Datastore:
         The chain stops at the end of its document."""
         if k <= 0:
             return []
-        L = len(context)
-        for n in range(min(self.max_ngram, L), self.min_ngram - 1, -1):
-            window = [int(x) for x in context[L - n:]]
+        tail = [int(x) for x in context[max(len(context) - self.max_ngram, 0):]]
+        for n in range(len(tail), self.min_ngram - 1, -1):
+            window = tail[len(tail) - n:]
             keys = self._keys[n]
             h = np.uint64(_hash_tuple(window))
             i = int(np.searchsorted(keys, h))

@@ -69,7 +69,7 @@ def load_datastore(datastore: Union[str, Path, None], target: Union[str, Path], 
 
     if datastore is None:
         return None
-    auto = isinstance(datastore, str) and datastore == "auto"
+    auto = datastore == "auto"
     path = shipped_datastore_path(str(target)) if auto else Path(datastore)
     if path is None:
         return None
