@@ -274,6 +274,13 @@ def test_cache_key_names_machine_dtype_and_models(target):
     assert len(k["target"]) == 16 and len(k["draft"]) == 16
     other = make_generator(target, draft=True, dtype=torch.bfloat16, seed=1)
     assert autotune.cache_path(autotune.cache_key(other)) != autotune.cache_path(k)
+    # a datastore changes what the lookup chains are worth: its timings are kept apart
+    from poss.decode.datastore import Datastore
+
+    assert k["datastore"] is None
+    gen.datastore = Datastore.from_documents([[1, 2, 3, 4]])
+    keyed = autotune.cache_key(gen)
+    assert keyed["datastore"] == gen.datastore.fingerprint and autotune.cache_path(keyed) != autotune.cache_path(k)
 
 
 def test_auto_default_tree_is_resolved_once_and_overridable(target, monkeypatch):
