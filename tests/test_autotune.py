@@ -281,6 +281,13 @@ def test_cache_key_names_machine_dtype_and_models(target):
     gen.datastore = Datastore.from_documents([[1, 2, 3, 4]])
     keyed = autotune.cache_key(gen)
     assert keyed["datastore"] == gen.datastore.fingerprint and autotune.cache_path(keyed) != autotune.cache_path(k)
+    # so does the draft's head: the same weights scoring K rows or all of them (PosSDraft.load's vocab)
+    reduced = make_generator(target, draft=True, dtype=torch.bfloat16, draft_vocab=40)
+    full = make_generator(target, draft=True, dtype=torch.bfloat16, draft_vocab=40)
+    full.draft.token_map, full.draft.config.draft_vocab = None, 0
+    kr, kf = autotune.cache_key(reduced), autotune.cache_key(full)
+    assert kr["draft"] == kf["draft"] and (kr["draft_vocab"], kf["draft_vocab"]) == (40, 0)
+    assert autotune.cache_path(kr) != autotune.cache_path(kf)
 
 
 def test_auto_default_tree_is_resolved_once_and_overridable(target, monkeypatch):

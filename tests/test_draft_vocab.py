@@ -117,3 +117,43 @@ def test_trained_draft_keeps_its_token_map(tmp_path):
     z = d.logits(torch.randn(3, runner.hidden_size))
     assert z.shape == (3, 64)
     assert set(d.full_ids(z.argmax(-1)).tolist()) <= set(range(0, 128, 2))
+
+
+def test_full_vocab_load_scores_every_row_with_the_same_weights(tmp_path):
+    from helpers.train_tiny import tiny_target
+    from poss.models.draft import PosSDraft
+    from poss.testing import random_draft
+
+    runner = tiny_target(max_batch=1)
+    random_draft(runner, n=2, ppl=1, draft_vocab=40).save(tmp_path / "d")
+    trained = PosSDraft.load(tmp_path / "d").attach(runner, max_batch=1, max_seq=16)
+    full = PosSDraft.load(tmp_path / "d", vocab="full").attach(runner, max_batch=1, max_seq=16)
+    assert full.token_map is None and full.config.draft_vocab == 0 and trained.config.draft_vocab == 40
+    for (name, a), (_, b) in zip(trained.named_parameters(), full.named_parameters()):
+        assert torch.equal(a, b), name
+    x = torch.randn(5, runner.hidden_size)
+    z_k, z_v = trained.logits(x), full.logits(x)
+    assert z_k.shape == (5, 40) and z_v.shape == (5, runner.lm_head.shape[0])
+    # the K rows score as before; the others are the target's head on the same features
+    torch.testing.assert_close(z_v[:, trained.token_map], z_k)
+    torch.testing.assert_close(z_v, x @ runner.lm_head.t())
+    assert torch.equal(full.full_ids(torch.tensor([3, 7])), torch.tensor([3, 7]))
+    with pytest.raises(ValueError, match="vocab must be one of trained, full, got 'all'"):
+        PosSDraft.load(tmp_path / "d", vocab="all")
+
+
+def test_generate_with_the_full_draft_vocab_gives_the_same_answer(tmp_path, capsys):
+    from helpers.targets import tiny_chat_folder
+    from poss.cli import main
+
+    root = tiny_chat_folder(tmp_path, [("k", 2, 40)])
+    base = ["generate", "--target", str(root / "target"), "--draft", str(root / "k"), "--prompt", "say hi",
+            "--max-new-tokens", "12", "--threads", "1", "--dtype", "float32", "--num-nodes", "10", "--depth", "3",
+            "--lookup", "0", "--datastore", "none", "--draft-vocab"]
+    answers = []
+    for vocab in ("trained", "full"):
+        assert main(base + [vocab]) == 0
+        answers.append(capsys.readouterr().out)
+    assert answers[0] == answers[1] and answers[0].strip()
+    assert main(base + ["all"]) == 2
+    assert "--draft-vocab" in capsys.readouterr().err

@@ -114,9 +114,28 @@ def test_eval_first_turns_only(tiny_folder, tmp_path):
     assert len(recs) == 4 and all(len(r["turns"]) == 1 for r in recs)
 
 
+def test_eval_full_draft_vocab_is_its_own_method_beside_the_trained_one(tiny_folder, tmp_path):
+    from poss.cli import main
+
+    torch.set_num_threads(1)
+    data = jsonl(tmp_path / "mini.jsonl", [{"question_id": i, "turns": [f"say {i}"]} for i in range(2)])
+    out = tmp_path / "out"
+    def argv(vocab):
+        return ["eval", "--target", str(tiny_folder / "target"), "--drafts", str(tiny_folder / "poss-k"),
+                "--datasets", "none", "--dataset", str(data), "--max-new-tokens", "8", "--num-nodes", "10",
+                "--depth", "3", "--beam-width", "3", "--draft-vocab", vocab, "--out", str(out)]
+
+    assert main(argv("trained")) == 0 and main(argv("full")) == 0  # the second run adds to the first
+    res = json.loads((out / "results.json").read_text())
+    assert set(res["methods"]) == {"ar", "poss-k", "poss-k+full-vocab"}
+    assert res["methods"]["poss-k+full-vocab"]["identical"] == [2, 2]
+    mb = {n: res["methods"][n]["draft_params_mb"] for n in ("poss-k", "poss-k+full-vocab")}
+    assert mb["poss-k"] == mb["poss-k+full-vocab"]  # the head is the target's, not a parameter
+
+
 @pytest.mark.parametrize("bad,msg", [(["--limit", "0"], "--limit"), (["--temperature", "-1"], "--temperature"),
                                      (["--drafts", "nowhere"], "--drafts"), (["--datasets", "nope"], "--datasets"),
-                                     (["--turns", "0"], "--turns")])
+                                     (["--turns", "0"], "--turns"), (["--draft-vocab", "all"], "--draft-vocab")])
 def test_eval_bad_arguments(bad, msg, tmp_path, capsys):
     from poss.cli import main
 

@@ -79,6 +79,23 @@ def test_reduced_vocabulary_draft_is_lossless(target, reference, draft_vocab):
         assert max(k for s in stats for k, c in enumerate(s.accept_hist) if c) >= 2
 
 
+def test_reduced_vocabulary_draft_loaded_with_the_full_vocabulary_is_lossless(target, reference, tmp_path):
+    """The K = 7 draft above, saved and loaded with ``vocab="full"``: the same weights now propose
+    tokens outside its 7, so it is accepted far more often, and the output stays identical."""
+    import torch
+
+    from poss.models.draft import PosSDraft
+
+    gen = make_generator(target, draft=True, n=3, ppl=2, aligned=True, draft_vocab=7)
+    gen.draft.save(tmp_path / "k7")
+    small, small_stats = generate_batched(gen, PROMPTS, 8, beam_width=7)
+    gen.draft = PosSDraft.load(tmp_path / "k7", dtype=torch.float32, vocab="full").attach(gen.runner, 1, 64)
+    got, stats = generate_batched(gen, PROMPTS, 8, beam_width=7)
+    assert_identical(small, reference)
+    assert_identical(got, reference)
+    assert sum(s.rounds for s in stats) < 0.8 * sum(s.rounds for s in small_stats)
+
+
 def test_autoregressive_baseline_matches_hf(target, reference):
     gen = make_generator(target, draft=False)
     got, stats = generate_batched(gen, PROMPTS, 8)

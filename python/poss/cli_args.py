@@ -199,6 +199,11 @@ def datastore_arg(value: str):
     return None if value == "none" else value
 
 
+DRAFT_VOCAB_HELP = ("the rows of the target's lm_head a reduced-vocabulary draft scores: trained (its own K "
+                    "tokens) or full (all: about 3 %% more tokens per round for the shipped PosS-2, a draft head "
+                    "6x larger; worth it where the head is cheap beside a verify, as on a GPU)")
+
+
 RETUNE_HELP = ("time this machine again instead of using the cached timings (after a first run on a busy "
                "machine)")
 

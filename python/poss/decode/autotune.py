@@ -264,6 +264,7 @@ def cache_key(gen) -> Dict:
             "threads": torch.get_num_threads(), "dtype": str(gen.runner.dtype).replace("torch.", ""),
             "target": gen.runner.fingerprint(),
             "draft": weight_fingerprint(list(draft.named_parameters())) if draft is not None else None,
+            "draft_vocab": draft.config.draft_vocab if draft is not None else None,  # 0: all rows (slower head)
             # the chains' worth depends on where they come from (poss.decode.datastore)
             "datastore": gen.datastore.fingerprint if gen.datastore is not None else None}
 

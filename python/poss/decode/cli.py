@@ -6,6 +6,7 @@ import sys
 
 from poss.cli_args import (
     DATASTORE_HELP,
+    DRAFT_VOCAB_HELP,
     LOOKUP_HELP,
     RETUNE_HELP,
     UsageError,
@@ -18,6 +19,7 @@ from poss.cli_args import (
     target_help,
     tree_from_flags,
 )
+from poss.models.draft_config import DRAFT_VOCABS
 
 DTYPES = ("auto", "float32", "bfloat16")
 _TREE_FLAGS = {"num_nodes": "--num-nodes", "depth": "--depth", "beam_width": "--beam-width", "lookup": "--lookup"}
@@ -60,6 +62,7 @@ def add_arguments(p: argparse.ArgumentParser, chat: bool) -> None:
                    help="children kept per frontier node and frontier size per level")
     t.add_argument("--lookup", type=int_or_auto(0), default="auto", help=LOOKUP_HELP)
     t.add_argument("--datastore", type=datastore_arg, default="auto", help=DATASTORE_HELP)
+    t.add_argument("--draft-vocab", choices=DRAFT_VOCABS, default="trained", help=DRAFT_VOCAB_HELP)
     t.add_argument("--retune", action="store_true", help=RETUNE_HELP)
 
 
@@ -103,7 +106,7 @@ def _load(args):
     limit = getattr(args, "speculate_max_batch", "auto")  # chat has one conversation: no flag
     return load(args.target, draft=chosen_draft(args, "poss"), dtype=resolve_dtype(args.dtype, "cpu"),
                 compile=args.compile, speculate_max_batch=None if limit == "off" else limit,
-                retune=args.retune, datastore=args.datastore)
+                retune=args.retune, datastore=args.datastore, draft_vocab=args.draft_vocab)
 
 
 def _speed_line(stats) -> str:

@@ -13,7 +13,7 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
          dtype: Union[str, torch.dtype] = "auto", device="cpu", context_limit: Optional[int] = None,
          tree: Union[TreeParams, str] = "auto", compile: bool = False,
          speculate_max_batch: Union[int, str, None] = "auto", retune: bool = False,
-         datastore: Union[str, Path, None] = "auto") -> Generator:
+         datastore: Union[str, Path, None] = "auto", draft_vocab: str = "trained") -> Generator:
     """Load the target offline and, when ``draft`` is a PosS draft folder, attach it.
 
     With ``draft=None`` the generator decodes autoregressively on the same runner (the baseline);
@@ -35,7 +35,9 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
     whose text fills a round's lookup chain where the context holds none: ``"auto"`` (the default) the
     one shipped for a registry target (:func:`~poss.decode.datastore.shipped_datastore_path`) when
     it was made by these weights, else none; a ``.npz`` path; or None for none. Raises
-    ``ValueError`` when a given datastore records another target.
+    ``ValueError`` when a given datastore records another target. ``draft_vocab``: the rows of the
+    target's lm_head the draft scores: ``"trained"`` (the default), its own K, or ``"full"``, all of them
+    (:meth:`PosSDraft.load`: more tokens per round, a slower draft head).
     """
     from poss.hardware import resolve_dtype
     from poss.models.draft import PosSDraft
@@ -49,7 +51,8 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
     runner = TargetRunner(model, max_batch=1, max_seq=256, dtype=dtype)
     d = None
     if draft is not None:
-        d = PosSDraft.load(draft, dtype=dtype, device=device).attach(runner, max_batch=1, max_seq=256)
+        d = PosSDraft.load(draft, dtype=dtype, device=device, vocab=draft_vocab).attach(runner, max_batch=1,
+                                                                                       max_seq=256)
     gen = Generator(runner, tokenizer=tokenizer, draft=d, context_limit=context_limit, target_path=path,
                     generation_config=getattr(model, "generation_config", None),
                     datastore=load_datastore(datastore, target, runner))

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 from poss.cli_args import (
+    DRAFT_VOCAB_HELP,
     LOOKUP_HELP,
     Formatter,
     UsageError,
@@ -14,6 +15,7 @@ from poss.cli_args import (
     int_at_least,
     target_help,
 )
+from poss.models.draft_config import DRAFT_VOCABS
 
 
 def add_eval_parser(sub) -> argparse.ArgumentParser:
@@ -36,6 +38,8 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--beam-width", type=int_at_least(1), default=10,
                    help="draft candidates kept per tree level (EAGLE's top-k)")
     p.add_argument("--lookup", type=int_at_least(0), default=0, help=LOOKUP_HELP)
+    p.add_argument("--draft-vocab", choices=DRAFT_VOCABS, default="trained",
+                   help=DRAFT_VOCAB_HELP + "; with full, each method is named DRAFT+full-vocab")
     p.add_argument("--temperature", type=float_in(0), default=0.0, help="0: greedy; 1: the sampling setting")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--hf", action="store_true", help="also time transformers generate (greedy) as a reference")
@@ -84,7 +88,7 @@ def run_eval(args) -> int:
         drafts = [str(d) for d in shipped_drafts(args.target)]
     methods = [None] + (["hf"] if args.hf else []) + list(drafts)
     s = Settings(args.max_new_tokens, args.num_nodes, args.depth, args.beam_width, args.temperature, args.seed,
-                 args.turns, args.lookup)
+                 args.turns, args.lookup, args.draft_vocab)
     dtype = resolve_dtype(args.dtype, "cpu")
     evaluate(args.target, methods, datasets, args.out, s, dtype=dtype, limit=args.limit)
     res = write(args.out, args.depth, vars(s), args.threads, dtype)

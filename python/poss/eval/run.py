@@ -29,14 +29,17 @@ class Settings:
     seed: int = 0
     max_turns: Optional[int] = None  # ask only the first K turns of each question (None: all)
     lookup: int = 0  # prompt-lookup tokens merged into each tree (TreeParams.lookup)
+    draft_vocab: str = "trained"  # the lm_head rows a draft scores (PosSDraft.load's vocab)
 
 
-def method_name(draft: Optional[str]) -> str:
-    """``ar``, ``hf``, or the draft folder's name (its run folder's for ``RUN/draft`` and ``RUN/draft-fp16``)."""
+def method_name(draft: Optional[str], draft_vocab: str = "trained") -> str:
+    """``ar``, ``hf``, or the draft folder's name (its run folder's for ``RUN/draft`` and ``RUN/draft-fp16``),
+    with ``+full-vocab`` when it scores every lm_head row (so both settings can share one results folder)."""
     if draft is None or draft == "hf":
         return draft or "ar"
     p = Path(draft)
-    return p.parent.name if p.name in ("draft", "draft-fp16") else p.name
+    name = p.parent.name if p.name in ("draft", "draft-fp16") else p.name
+    return name if draft_vocab == "trained" else f"{name}+{draft_vocab}-vocab"
 
 
 def read_done(path: Path) -> Dict[tuple, dict]:
@@ -103,8 +106,8 @@ def evaluate(target: str, drafts: Iterable[Optional[str]], datasets: Dict[str, L
     done = read_done(path)
     with open(path, "a") as f:
         for d in drafts:
-            name = method_name(d)
-            gen = poss.load(target, draft=None if d in (None, "hf") else d, dtype=dtype)
+            name = method_name(d, s.draft_vocab)
+            gen = poss.load(target, draft=None if d in (None, "hf") else d, dtype=dtype, draft_vocab=s.draft_vocab)
             if d == "hf":
                 from poss.models.registry import load_model
 

@@ -6,6 +6,7 @@ are the target's (shared, never copied or saved). Switching specialists passes a
 the same fused ``poss::specialist_forward`` op.
 """
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -15,7 +16,7 @@ from torch import Tensor, nn
 
 import poss_ext
 from poss.huge_pages import pack_on_huge_pages
-from poss.models.draft_config import DraftConfig
+from poss.models.draft_config import DRAFT_VOCABS, DraftConfig
 from poss.models.kv_cache import StaticKVCache
 from poss.models.specialist import Specialist, fuse
 
@@ -151,10 +152,24 @@ class PosSDraft(nn.Module):
                   str(d / "model.safetensors"))
 
     @classmethod
-    def load(cls, directory, dtype: torch.dtype = torch.float32, device="cpu") -> "PosSDraft":
+    def load(cls, directory, dtype: torch.dtype = torch.float32, device="cpu", vocab: str = "trained") -> "PosSDraft":
+        """The draft saved in ``directory``. ``vocab``: which rows of the target's lm_head it scores:
+        ``"trained"``, its own (the K of a reduced-vocabulary draft, else all), or ``"full"``, all of
+        them, for a reduced-vocabulary draft too. The head is the target's, frozen in training, and the
+        specialists are trained to reproduce the target's features, so the rows outside the K score
+        those features as the target would: the same weights propose tokens the K leaves out, at the
+        cost of a head V/K times larger (PosS-2, K 8,192: about 3 % more tokens per round on MT-Bench,
+        docs/training.md)."""
+        if vocab not in DRAFT_VOCABS:
+            raise ValueError(f"vocab must be one of {', '.join(DRAFT_VOCABS)}, got {vocab!r}")
         d = Path(directory)
-        model = cls(DraftConfig.load(d / "config.json"))
-        model.load_state_dict(load_file(str(d / "model.safetensors")), strict=True)
+        config = DraftConfig.load(d / "config.json")
+        state = load_file(str(d / "model.safetensors"))
+        if vocab == "full" and config.draft_vocab:
+            config = replace(config, draft_vocab=0)
+            state.pop("token_map", None)
+        model = cls(config)
+        model.load_state_dict(state, strict=True)
         return model.to(dtype=dtype, device=device).eval()
 
     @classmethod

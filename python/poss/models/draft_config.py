@@ -5,6 +5,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict
 
+DRAFT_VOCABS = ("trained", "full")  # PosSDraft.load's vocab: the rows of the target's lm_head a draft scores
+
 
 @dataclass
 class DraftConfig:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from poss.cli_args import (
     DATASTORE_HELP,
+    DRAFT_VOCAB_HELP,
     LOOKUP_HELP,
     RETUNE_HELP,
     Formatter,
@@ -18,6 +19,7 @@ from poss.cli_args import (
     target_help,
     tree_from_flags,
 )
+from poss.models.draft_config import DRAFT_VOCABS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -52,6 +54,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="speculate only while at most this many requests are live; larger batches decode "
                         "plainly (auto: measured once on this machine; off: always speculate)")
     p.add_argument("--datastore", type=datastore_arg, default="auto", help=DATASTORE_HELP)
+    p.add_argument("--draft-vocab", choices=DRAFT_VOCABS, default="trained", help=DRAFT_VOCAB_HELP)
     p.add_argument("--retune", action="store_true", help=RETUNE_HELP)
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level")
@@ -89,7 +92,7 @@ def run_serve(args) -> int:
     draft = chosen_draft(args, "poss serve")
     try:
         gen = load(args.target, draft=draft, dtype=args.dtype, device=args.device, retune=args.retune,
-                   datastore=args.datastore)
+                   datastore=args.datastore, draft_vocab=args.draft_vocab)
         tree = gen.resolve_tree(tree_from_flags(args.num_nodes, args.depth, args.beam_width, args.lookup),
                                 beam_width=args.beam_width,
                                 **({} if args.lookup == "auto" else {"lookup": args.lookup}))
