@@ -32,13 +32,15 @@ def select_draft_vocab(counts: Counter, k: int, vocab_size: int, always: Iterabl
     keep = [int(t) for t in always if 0 <= int(t) < vocab_size]
     ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
     chosen = list(dict.fromkeys(keep))
+    seen = set(chosen)
     for tok, _ in ranked:
         if len(chosen) >= k:
             break
-        if tok not in chosen and 0 <= tok < vocab_size:
+        if tok not in seen and 0 <= tok < vocab_size:
             chosen.append(tok)
+            seen.add(tok)
     # Too few distinct tokens in the data: fill with the lowest unused ids so K is as asked.
-    fill = (t for t in range(vocab_size) if t not in set(chosen))
+    fill = (t for t in range(vocab_size) if t not in seen)
     while len(chosen) < k:
         chosen.append(next(fill))
     return torch.tensor(sorted(chosen[:k]), dtype=torch.int64)
