@@ -158,7 +158,7 @@ class PosSDraft(nn.Module):
         them, for a reduced-vocabulary draft too. The head is the target's, frozen in training, and the
         specialists are trained to reproduce the target's features, so the rows outside the K score
         those features as the target would: the same weights propose tokens the K leaves out, at the
-        cost of a head V/K times larger (PosS-2, K 8,192: about 3 % more tokens per round on MT-Bench,
+        cost of a head V/K times larger (PosS-2, K 8,192: 3-4 % more tokens per round on MT-Bench,
         docs/training.md)."""
         if vocab not in DRAFT_VOCABS:
             raise ValueError(f"vocab must be one of {', '.join(DRAFT_VOCABS)}, got {vocab!r}")
