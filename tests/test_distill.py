@@ -162,6 +162,37 @@ def test_features_rebuild_from_the_token_ids_alone(model, tmp_path):
         torch.testing.assert_close(b.get(r["key"]).float(), a.get(r["key"]).float(), atol=2e-3, rtol=2e-3)
 
 
+def test_features_dtype_is_recorded_and_never_mixed(model, tmp_path):
+    """The rebuild records the dtype its features were computed in; a partly built cache is not
+    filled in with features of another dtype, and the CLI's default dtype is the recorded one."""
+    import shutil
+
+    from poss.train.distill import features_dtype, rebuild_features
+
+    gen = make_generator(model)
+    gen.encode = encoder()
+    distill(gen, conversations(8), tmp_path / "a", n_train=5, n_val=1, batch_size=3, max_new_tokens=6, progress=False)
+    assert features_dtype(tmp_path / "a") == "float32"  # the generation run's own dtype
+    (tmp_path / "b").mkdir()
+    shutil.copy(tmp_path / "a" / "records.jsonl", tmp_path / "b" / "records.jsonl")
+    assert features_dtype(tmp_path / "b") is None  # no meta.json: nothing known
+    meta = json.loads((tmp_path / "a" / "meta.json").read_text())
+    meta["recipe"]["dtype"] = "bfloat16"  # answers generated in bf16: a rebuild defaults to it
+    del meta["features_dtype"]
+    (tmp_path / "b" / "meta.json").write_text(json.dumps(meta))
+    assert features_dtype(tmp_path / "b") == "bfloat16"
+    assert rebuild_features(gen.runner, tmp_path / "b", progress=False) == 6  # empty cache: any dtype may start
+    assert features_dtype(tmp_path / "b") == "float32"
+    (tmp_path / "b" / "records.jsonl").write_text((tmp_path / "a" / "records.jsonl").read_text()
+                                                  + json.dumps({**read_records(tmp_path / "a")[0], "key": 99}) + "\n")
+    meta = json.loads((tmp_path / "b" / "meta.json").read_text())
+    meta["features_dtype"] = "bfloat16"  # the cache's features are another dtype's than this runner's
+    (tmp_path / "b" / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="--dtype bfloat16"):
+        rebuild_features(gen.runner, tmp_path / "b", progress=False)
+    assert 99 not in FeatureCache(tmp_path / "b" / "features" / "rank0")  # nothing was added
+
+
 def test_training_from_a_later_answer_reads_that_answers_features(model, tmp_path):
     """``--train-start``: the examples and their feature-cache keys move together."""
     from poss.train.dataset import distilled_dataset

@@ -171,8 +171,9 @@ def add_distill_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=384, help="answer length at most")
     p.add_argument("--max-prompt-tokens", type=int_at_least(1), default=384, help="longer prompts are skipped")
     p.add_argument("--seed", type=int, default=0, help="prompt selection seed")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="the dtype the target runs in at inference")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="the dtype the target runs in at inference (default: float32; with --rebuild-features, "
+                        "the dtype the data set's features were made in, from its meta.json)")
     p.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--rebuild-features", action="store_true",
                    help="generate nothing: compute the target features of the records in --out that have none "
@@ -190,14 +191,17 @@ def run_distill(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    gen = load(args.target, draft=None, dtype=getattr(torch, args.dtype))
     if args.rebuild_features:
-        from poss.train.distill import rebuild_features
+        from poss.train.distill import features_dtype, rebuild_features
 
         if not (Path(args.out) / "records.jsonl").is_file():
             raise ValueError(f"--out {args.out!r} has no records.jsonl to rebuild the features of")
+        dtype = args.dtype or features_dtype(args.out) or "float32"
+        print(f"features in {dtype}", file=sys.stderr)
+        gen = load(args.target, draft=None, dtype=getattr(torch, dtype))
         print(f"features computed for {rebuild_features(gen.runner, args.out)} records", file=sys.stderr)
         return 0
+    gen = load(args.target, draft=None, dtype=getattr(torch, args.dtype or "float32"))
     convs = load_sharegpt()
     meta = distill(gen, convs.messages, args.out, args.prompts, args.val_prompts, args.batch_size,
                    args.max_new_tokens, args.max_prompt_tokens, args.seed)

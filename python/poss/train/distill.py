@@ -23,7 +23,7 @@ import json
 import random
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -145,7 +145,7 @@ def distill(gen, conversations, out, n_train: int, n_val: int = 100, batch_size:
                                     "answer_ids": answer, "truncated": st.finish_reason == "length"}) + "\n")
             f.flush()
             stats["tokens_per_s"] = stats["answer_tokens"] / max(stats["seconds"], 1e-9)
-            meta = {"recipe": recipe, "throughput": stats}
+            meta = {"recipe": recipe, "throughput": stats, "features_dtype": recipe["dtype"]}
             meta_path.write_text(json.dumps(meta, indent=1))
             bar.update(len(chunk))
             bar.set_postfix_str(f"{stats['tokens_per_s']:.0f} answer tok/s, {stats['answer_tokens']} tokens")
@@ -153,17 +153,41 @@ def distill(gen, conversations, out, n_train: int, n_val: int = 100, batch_size:
     return meta
 
 
+def features_dtype(out) -> Optional[str]:
+    """The dtype the target ran in for the features of data set ``out`` ("float32", "bfloat16"):
+    ``meta.json``'s ``features_dtype``, else the dtype its answers were generated in (a set made by
+    :func:`distill` keeps the features of that same run), else None (no meta.json)."""
+    meta_path = Path(out) / "meta.json"
+    if not meta_path.exists():
+        return None
+    meta = json.loads(meta_path.read_text())
+    return meta.get("features_dtype", meta.get("recipe", {}).get("dtype"))
+
+
 def rebuild_features(runner, out, batch_tokens: int = 4096, progress: bool = True) -> int:
     """Compute the features of every record in ``out/records.jsonl`` that has none in the cache
     (a data set restored from its shipped token ids): one target prefill per batch of records, no
-    generation. Returns how many records were filled in."""
+    generation. Returns how many records were filled in.
+
+    The runner's dtype is recorded in ``meta.json`` as ``features_dtype``. Features of two dtypes
+    are never mixed in one cache: filling in a partly built cache in another dtype is a ValueError."""
     from tqdm import tqdm
 
     from poss.train.features import FeatureCache
 
     out = Path(out)
     cache = FeatureCache(out / "features" / "rank0", shard_mb=256)
-    todo = [r for r in read_records(out) if r["key"] not in cache]
+    records = read_records(out)
+    dtype = str(runner.dtype).replace("torch.", "")
+    meta_path = out / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    built = meta.get("features_dtype")  # unknown for a cache built before it was recorded
+    if built not in (None, dtype) and any(r["key"] in cache for r in records):
+        raise ValueError(f"{out} already holds features computed in {built}; rebuild the rest with --dtype {built} "
+                         f"(the target runs in {dtype} here), or delete {out / 'features'} to rebuild all in {dtype}")
+    meta["features_dtype"] = dtype
+    meta_path.write_text(json.dumps(meta, indent=1))
+    todo = [r for r in records if r["key"] not in cache]
     todo.sort(key=lambda r: len(r["prompt_ids"]) + len(r["answer_ids"]))  # similar lengths share a batch
     bar = tqdm(total=len(todo), desc="features", unit="record", disable=not progress, dynamic_ncols=True)
     i = 0
