@@ -162,6 +162,35 @@ def test_features_rebuild_from_the_token_ids_alone(model, tmp_path):
         torch.testing.assert_close(b.get(r["key"]).float(), a.get(r["key"]).float(), atol=2e-3, rtol=2e-3)
 
 
+def test_a_killed_rebuild_keeps_what_it_flushed(model, tmp_path):
+    """Features reach disk every ``flush_seconds``: after a kill mid-way the flushed records stay,
+    and the rerun computes only the rest."""
+    import shutil
+
+    from poss.train.distill import rebuild_features
+
+    gen = make_generator(model)
+    gen.encode = encoder()
+    distill(gen, conversations(10), tmp_path / "a", n_train=7, n_val=1, batch_size=4, max_new_tokens=8, progress=False)
+    (tmp_path / "b").mkdir()
+    shutil.copy(tmp_path / "a" / "records.jsonl", tmp_path / "b" / "records.jsonl")
+    real, calls = gen.runner.prefill, []
+
+    def dies_on_third(seqs):
+        calls.append(len(seqs))
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # the kill
+        return real(seqs)
+
+    gen.runner.prefill = dies_on_third
+    with pytest.raises(KeyboardInterrupt):
+        rebuild_features(gen.runner, tmp_path / "b", batch_tokens=1, progress=False, flush_seconds=0)
+    kept = sum(calls[:2])  # one record per batch at batch_tokens=1
+    assert len(FeatureCache(tmp_path / "b" / "features" / "rank0").index) == kept == 2
+    gen.runner.prefill = real
+    assert rebuild_features(gen.runner, tmp_path / "b", progress=False) == 8 - kept
+
+
 def test_features_dtype_is_recorded_and_never_mixed(model, tmp_path):
     """The rebuild records the dtype its features were computed in; a partly built cache is not
     filled in with features of another dtype, and the CLI's default dtype is the recorded one."""

@@ -164,13 +164,15 @@ def features_dtype(out) -> Optional[str]:
     return meta.get("features_dtype", meta.get("recipe", {}).get("dtype"))
 
 
-def rebuild_features(runner, out, batch_tokens: int = 4096, progress: bool = True) -> int:
+def rebuild_features(runner, out, batch_tokens: int = 4096, progress: bool = True, flush_seconds: float = 120.0) -> int:
     """Compute the features of every record in ``out/records.jsonl`` that has none in the cache
     (a data set restored from its shipped token ids): one target prefill per batch of records, no
     generation. Returns how many records were filled in.
 
     The runner's dtype is recorded in ``meta.json`` as ``features_dtype``. Features of two dtypes
-    are never mixed in one cache: filling in a partly built cache in another dtype is a ValueError."""
+    are never mixed in one cache: filling in a partly built cache in another dtype is a ValueError.
+    Features reach disk at least every ``flush_seconds``, so a killed rebuild loses at most that much
+    work and a rerun computes only the records still missing."""
     from tqdm import tqdm
 
     from poss.train.features import FeatureCache
@@ -190,7 +192,7 @@ def rebuild_features(runner, out, batch_tokens: int = 4096, progress: bool = Tru
     todo = [r for r in records if r["key"] not in cache]
     todo.sort(key=lambda r: len(r["prompt_ids"]) + len(r["answer_ids"]))  # similar lengths share a batch
     bar = tqdm(total=len(todo), desc="features", unit="record", disable=not progress, dynamic_ncols=True)
-    i = 0
+    i, flushed = 0, time.monotonic()
     while i < len(todo):
         seqs, n = [], 0
         while i < len(todo) and (not seqs
@@ -204,6 +206,9 @@ def rebuild_features(runner, out, batch_tokens: int = 4096, progress: bool = Tru
             _, feats = runner.prefill([s for _, s in seqs])
         for b, (key, s) in enumerate(seqs):
             cache.put(key, feats[b, : len(s)])
+        if time.monotonic() - flushed >= flush_seconds:
+            cache.flush()
+            flushed = time.monotonic()
         bar.update(len(seqs))
     cache.flush()
     bar.close()
