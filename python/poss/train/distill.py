@@ -113,7 +113,7 @@ def distill(gen, conversations, out, n_train: int, n_val: int = 100, batch_size:
     todo = [j for j in jobs if j[0] not in done]
     cache = FeatureCache(out / "features" / "rank0", shard_mb=1 << 14)  # flushed once per batch
     meta_path = out / "meta.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    meta = read_meta(out)
     recipe = {"target_fingerprint": gen.runner.fingerprint(), "dtype": str(gen.runner.dtype).replace("torch.", ""),
               "seed": seed, "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
               "n_train": len(train), "n_val": len(val), "prompt_source": "sharegpt first user turn, English",
@@ -153,14 +153,17 @@ def distill(gen, conversations, out, n_train: int, n_val: int = 100, batch_size:
     return meta
 
 
+def read_meta(out) -> dict:
+    """Data set ``out``'s ``meta.json`` ({} when it has none)."""
+    meta_path = Path(out) / "meta.json"
+    return json.loads(meta_path.read_text()) if meta_path.exists() else {}
+
+
 def features_dtype(out) -> Optional[str]:
     """The dtype the target ran in for the features of data set ``out`` ("float32", "bfloat16"):
     ``meta.json``'s ``features_dtype``, else the dtype its answers were generated in (a set made by
     :func:`distill` keeps the features of that same run), else None (no meta.json)."""
-    meta_path = Path(out) / "meta.json"
-    if not meta_path.exists():
-        return None
-    meta = json.loads(meta_path.read_text())
+    meta = read_meta(out)
     return meta.get("features_dtype", meta.get("recipe", {}).get("dtype"))
 
 
@@ -181,14 +184,13 @@ def rebuild_features(runner, out, batch_tokens: int = 4096, progress: bool = Tru
     cache = FeatureCache(out / "features" / "rank0", shard_mb=256)
     records = read_records(out)
     dtype = str(runner.dtype).replace("torch.", "")
-    meta_path = out / "meta.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    meta = read_meta(out)
     built = meta.get("features_dtype")  # unknown for a cache built before it was recorded
     if built not in (None, dtype) and any(r["key"] in cache for r in records):
         raise ValueError(f"{out} already holds features computed in {built}; rebuild the rest with --dtype {built} "
                          f"(the target runs in {dtype} here), or delete {out / 'features'} to rebuild all in {dtype}")
     meta["features_dtype"] = dtype
-    meta_path.write_text(json.dumps(meta, indent=1))
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))
     todo = [r for r in records if r["key"] not in cache]
     todo.sort(key=lambda r: len(r["prompt_ids"]) + len(r["answer_ids"]))  # similar lengths share a batch
     bar = tqdm(total=len(todo), desc="features", unit="record", disable=not progress, dynamic_ncols=True)
