@@ -23,7 +23,9 @@
 #
 # The init run is the shipped drafts/eagle2 of 2026-11-30: epoch 3 of a 6-epoch linear schedule, the run
 # stopped there (183 optimizer steps per epoch at batch 4 over the 732 training answers, so
-# --max-batches 549). Set INIT to an existing draft folder to start from it instead.
+# --max-batches 549). INIT is that run's best validated epoch; a stop on an epoch's last batch validates
+# that epoch too (before 2026-12-05 it did not, so best covered epochs 1-2 only). Set INIT to an
+# existing draft folder to start from it instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -71,6 +71,31 @@ def test_target_side_is_the_renormalised_restriction():
     assert torch.equal(token_map[red.target_top1[kept]], token_map[want[kept].argmax(-1)])
 
 
+def test_the_row_predicting_a_distilled_answers_last_token_is_scored():
+    from poss.train.data import collate
+    from poss.train.distill import record_example
+    from poss.train.objective import make_batch
+
+    V, H, end = 8, 4, 7
+    g = torch.Generator().manual_seed(0)
+    # the second record's answer was cut to 2 positions: its next token is the first one cut
+    ex = [record_example({"prompt_ids": [1, 2, 3], "answer_ids": [4, 5, 6, end]}),
+          record_example({"prompt_ids": [1, 2], "answer_ids": [6, 5, 4, 3, end]}, answer_tokens=2)]
+    assert [e.next_token for e in ex] == [end, 4]
+    b = collate(ex)
+    f, head = torch.randn(2, b["input_ids"].shape[1], H, generator=g), torch.randn(V, H, generator=g)
+    args = (b["input_ids"], b["loss_mask"], b["lengths"], f, head)
+    whole = make_batch(*args, token_map=torch.arange(V), next_token=b["next_token"])
+    # with every token in the draft vocabulary, every answer row is scored against the data's next token
+    # rows predict 5, 6, 7 (the end token) and 5, 4 (the first cut token)
+    assert whole.ce_keep.all() and int(whole.row_mask.sum()) == 3 + 2
+    without = make_batch(*args, token_map=torch.arange(V))  # next token unknown: those rows are left out
+    assert without.ce_keep.tolist() == [True, True, False, True, False]
+    # the last rows are judged by their own next token like any other: with the even ids, 7 is out, 4 in
+    even = make_batch(*args, token_map=torch.tensor([0, 2, 4, 6]), next_token=b["next_token"])
+    assert even.ce_keep.tolist() == [False, True, False, False, True]
+
+
 def test_left_out_rows_carry_no_loss_or_gradient():
     from poss.train.objective import HeadDistillation
 

@@ -1,9 +1,9 @@
-"""poss.jsonl.read_jsonl: plain and xz-compressed files, a missing file, a line cut short by a kill."""
+"""poss.jsonl: plain and xz-compressed files, a missing file, a line cut short by a kill, appending after one."""
 
 import json
 import lzma
 
-from poss.jsonl import read_jsonl
+from poss.jsonl import open_for_append, read_jsonl
 
 
 def test_reads_plain_and_xz_and_skips_a_cut_line(tmp_path):
@@ -14,3 +14,19 @@ def test_reads_plain_and_xz_and_skips_a_cut_line(tmp_path):
     assert read_jsonl(tmp_path / "records.jsonl") == recs
     assert read_jsonl(tmp_path / "records.jsonl.xz") == recs
     assert read_jsonl(tmp_path / "absent.jsonl") == []
+
+
+def test_appending_after_a_cut_line_loses_no_record(tmp_path):
+    a, b, c = ({"key": k} for k in range(3))
+    for before in (json.dumps(a) + "\n" + json.dumps(b)[:5],  # cut after a complete record
+                   json.dumps(b)[:5]):  # cut in the very first record
+        p = tmp_path / "r.jsonl"
+        p.write_text(before)
+        kept = [r for r in read_jsonl(p)]
+        with open_for_append(p) as f:
+            for r in (b, c):
+                f.write(json.dumps(r) + "\n")
+        assert read_jsonl(p) == kept + [b, c]
+    with open_for_append(tmp_path / "new.jsonl") as f:  # a missing file is created
+        f.write(json.dumps(a) + "\n")
+    assert read_jsonl(tmp_path / "new.jsonl") == [a]

@@ -127,3 +127,32 @@ def test_regenerate_replaces_assistant_turns_and_caches(tokenizer, tmp_path):
     assert out[1]["content"] == tokenizer.decode(ref[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
     again = regenerate(tokenizer, model, convs, [0], tmp_path / "regen.jsonl", max_new_tokens=5, progress=False)[0]
     assert again == out and len(calls) == 2  # served from the cache
+
+
+def test_the_regenerated_answers_length_cap_keys_every_cache(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import poss.train.dataset as dataset
+    import poss.train.regenerate as regenerate_mod
+
+    monkeypatch.setenv("POSS_CACHE", str(tmp_path))
+    convs = SimpleNamespace(messages=[[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]] * 6,
+                            fingerprint="f" * 16, n_records=6, skipped_truncated=0, skipped_unusable=0)
+    monkeypatch.setattr(dataset, "load_sharegpt", lambda: convs)
+    monkeypatch.setattr(dataset, "build_split", lambda tok, msgs, idx, max_len: [
+        Example(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 1])) for _ in idx])
+    files = []
+    monkeypatch.setattr(regenerate_mod, "regenerate", lambda tok, model, msgs, idx, path, max_new, progress: (
+        files.append((path.name, max_new)) or {}))
+
+    def build(**kw):
+        recipe = dataset.DataRecipe(train_size=4, val_size=2, **kw)
+        return dataset.build_dataset(None, None, "t" * 16, recipe, main=False)
+
+    a, b = build(regenerate=True, regen_max_new_tokens=64), build(regenerate=True, regen_max_new_tokens=128)
+    assert [m for _, m in files] == [64, 128]  # the second cap did not reuse the first's tokenized answers
+    assert files[0][0] != files[1][0] and a.feature_cache != b.feature_cache
+    assert (a.info["regen_max_new_tokens"], b.info["regen_max_new_tokens"]) == (64, 128)
+    # without regeneration the cap shapes nothing, and changes no key
+    c, d = build(regen_max_new_tokens=64), build(regen_max_new_tokens=128)
+    assert c.feature_cache == d.feature_cache and "regen_max_new_tokens" not in c.info

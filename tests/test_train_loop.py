@@ -2,6 +2,7 @@
 feature cache."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -161,3 +162,23 @@ def test_resume_refuses_a_checkpoint_of_another_run(tmp_path):
         make_trainer(tmp_path, n_train=6, batch_size=2, epochs=1).resume()  # different data
     with pytest.raises(ValueError, match="another run"):
         make_trainer(tmp_path, n_train=4, batch_size=2, epochs=1, steps=2).resume()  # different method settings
+    # What fixes the example order and the learning-rate schedule: a change would skip or repeat examples.
+    for changed, kw in (("global_batch 2 (now 4)", dict(batch_size=4)), ("seed 0 (now 1)", dict(seed=1)),
+                        ("epochs 1 (now 2)", dict(epochs=2)), ("lr 0.001 (now 0.002)", dict(lr=2e-3))):
+        with pytest.raises(ValueError, match=re.escape(changed)):
+            make_trainer(tmp_path, **{"n_train": 4, "batch_size": 2, "epochs": 1, **kw}).resume()
+
+
+def test_a_max_batches_stop_on_an_epoch_boundary_still_validates_and_checkpoints_that_epoch(tmp_path):
+    # 4 examples in batches of 2: the stop after 2 steps is the end of epoch 1.
+    tr = make_trainer(tmp_path / "a", n_train=4, batch_size=2, epochs=3, max_batches=2, validate_every_epoch=True)
+    result = tr.fit()
+    assert not result["finished"] and (result["progress"]["epoch"], result["progress"]["batch"]) == (1, 0)
+    lines = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["val_epoch"]["epoch"] for x in lines if "val_epoch" in x] == [1]
+    assert (tmp_path / "a" / "best" / "config.json").exists()
+    resumed = make_trainer(tmp_path / "a", n_train=4, batch_size=2, epochs=3, validate_every_epoch=True)
+    assert resumed.resume() and (resumed.progress["epoch"], resumed.progress["batch"]) == (1, 0)
+    # The stop on the last batch of the last epoch finishes the run: final validation and the saved draft.
+    done = make_trainer(tmp_path / "b", n_train=4, batch_size=2, epochs=1, max_batches=2).fit()
+    assert done["finished"] and (tmp_path / "b" / "draft" / "config.json").exists()

@@ -21,3 +21,17 @@ def read_jsonl(path) -> List[dict]:
         except json.JSONDecodeError:
             continue
     return out
+
+
+def open_for_append(path):
+    """``path`` opened for appending (created if missing), after dropping a last line cut short by a
+    kill: appended after it, the next record would be glued onto the fragment and lost too. Call it
+    before reading what is done, so a dropped line is redone."""
+    path = Path(path)
+    if path.exists():
+        with open(path, "rb+") as f:
+            data = f.read()
+            end = data.rfind(b"\n") + 1
+            if end != len(data):
+                f.truncate(end)
+    return open(path, "a")

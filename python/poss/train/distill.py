@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from poss.jsonl import read_jsonl
+from poss.jsonl import open_for_append, read_jsonl
 from poss.train.data import Example
 from poss.train.features import VAL_ID_OFFSET, FeatureCache
 
@@ -78,15 +78,17 @@ def record_example(record: dict, max_len: int = 0, answer_tokens: int = 0) -> Ex
     """A record's prompt + answer as a training example, the answer positions in the loss mask.
 
     The answer's last token is a target only (generation never ran it through the target, so it has
-    no features). ``answer_tokens > 0`` keeps the first that many answer positions (the example of a
-    record whose answer was cut there); ``max_len > 0`` truncates the example.
+    no features): it is the example's ``next_token``, as the first cut token is after a truncation.
+    ``answer_tokens > 0`` keeps the first that many answer positions (the example of a record whose
+    answer was cut there); ``max_len > 0`` truncates the example.
     """
     answer = record["answer_ids"][:answer_tokens + 1] if answer_tokens > 0 else record["answer_ids"]
-    ids = (record["prompt_ids"] + answer)[:-1]
+    seq = record["prompt_ids"] + answer
+    ids = seq[:-1]
     mask = [0] * len(record["prompt_ids"]) + [1] * (len(answer) - 1)
     if max_len:
         ids, mask = ids[:max_len], mask[:max_len]
-    return Example(torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.int64))
+    return Example(torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.int64), seq[len(ids)])
 
 
 def load_keyed_examples(out, split: str, max_len: int = 0) -> Tuple[List[int], List[Example]]:
@@ -106,10 +108,8 @@ def distill(gen, conversations, out, n_train: int, n_val: int = 100, batch_size:
     val, train = select_prompts(conversations, gen.encode, n_train, n_val, seed, max_prompt_tokens)
     jobs = [(VAL_ID_OFFSET + k, "val", i, p) for k, (i, p) in enumerate(val)]
     jobs += [(k, "train", i, p) for k, (i, p) in enumerate(train)]
-    kept = read_records(out)
-    if kept:  # drop a line cut by a kill, so appended records start on a line of their own
-        (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
-    done = {r["key"] for r in kept}
+    open_for_append(out / "records.jsonl").close()  # drops a line cut by a kill before it is read
+    done = {r["key"] for r in read_records(out)}
     todo = [j for j in jobs if j[0] not in done]
     cache = FeatureCache(out / "features" / "rank0", shard_mb=1 << 14)  # flushed once per batch
     meta_path = out / "meta.json"

@@ -165,22 +165,26 @@ class Trainer:
         self.data_info = dict(data_info or {})
         self.data_info.setdefault("train_fingerprint", data_fingerprint(train_examples))
         # The run's identity travels in the checkpoint so --resume refuses a mismatched run.
-        self.progress = {"epoch": 0, "batch": 0, "step": 0, "tokens": 0, "seconds": 0.0,
-                         "train_fingerprint": self.data_info["train_fingerprint"], "method": cfg.method,
-                         "steps": cfg.steps, "positions_per_specialist": cfg.positions_per_specialist}
+        self.progress = {"epoch": 0, "batch": 0, "step": 0, "tokens": 0, "seconds": 0.0, **self.identity()}
         self.data_info.setdefault("val_fingerprint", data_fingerprint(val_examples))
         self.data_info.update(n_train=len(train_examples), n_val=len(val_examples))
 
     # -- state -------------------------------------------------------------------------------------
+    def identity(self) -> Dict:
+        """What a resumed run must share with the checkpoint: the data and method, and what fixes the
+        example order (seed, global batch) and the learning-rate schedule (epochs, lr, warmup)."""
+        cfg = self.cfg
+        return {"train_fingerprint": self.data_info["train_fingerprint"], "method": cfg.method, "steps": cfg.steps,
+                "positions_per_specialist": cfg.positions_per_specialist, "seed": cfg.seed,
+                "global_batch": self.global_batch, "epochs": cfg.epochs, "lr": cfg.lr, "warmup_frac": cfg.warmup_frac}
+
     def resume(self) -> bool:
         def same_run(got):
-            keys = ("train_fingerprint", "method", "steps", "positions_per_specialist")
-            keys = [k for k in keys if k in got]  # checkpoints from before this check carry none of them
-            have, want = [got[k] for k in keys], [self.progress[k] for k in keys]
-            if have != want:
-                raise ValueError(f"{self.out} holds a checkpoint of another run "
-                                 f"(data/method/steps/positions_per_specialist {have}, "
-                                 f"now {want}); use a new --out or the original settings")
+            # A checkpoint written before a key was checked carries no value for it.
+            diff = [f"{k} {got[k]!r} (now {v!r})" for k, v in self.identity().items() if k in got and got[k] != v]
+            if diff:
+                raise ValueError(f"{self.out} holds a checkpoint of another run: {', '.join(diff)}; "
+                                 f"use a new --out or the original settings")
 
         got = ckpt.load_state(self.out, self.draft, self.opt, self.sched, check=same_run)
         if got is None:
@@ -205,7 +209,8 @@ class Trainer:
         f = self.features(b["input_ids"], b["lengths"], [self.train_ids[i] for i in idx])
         dev = f.device
         batch = make_batch(b["input_ids"].to(dev), b["loss_mask"].to(dev), b["lengths"], f, self.runner.lm_head,
-                           self.cfg.noise_std if noise else 0.0, token_map=self.draft.token_map)
+                           self.cfg.noise_std if noise else 0.0, token_map=self.draft.token_map,
+                           next_token=b["next_token"])
         return run_steps(self.draft, batch, self.runner.embed, self.runner.lm_head, self.runner.inv_freq,
                          self.cfg.objective(), backward=True, autocast_dtype=self.cfg.autocast_dtype)
 
@@ -258,15 +263,17 @@ class Trainer:
                 if cfg.max_batches is not None and self.progress["step"] >= cfg.max_batches:
                     stop = True
                     break
-            if not stop:
+            # An epoch that ran to its end is validated and checkpointed even when --max-batches stopped
+            # the run on its last batch, so OUT/best covers it.
+            if self.progress["batch"] >= self.batches_per_epoch:
                 self.progress.update(epoch=self.progress["epoch"] + 1, batch=0)
                 if cfg.validate_every_epoch:
                     self.validate_epoch(log)
                 self.save_checkpoint()
                 last_ckpt = time.monotonic()
+            elif stop:
+                self.save_checkpoint()
         bar.close()
-        if stop:
-            self.save_checkpoint()
         if hasattr(self.features, "cache"):
             self.features.cache.flush()
         result = {"progress": dict(self.progress), "finished": self.progress["epoch"] >= cfg.epochs}

@@ -59,16 +59,16 @@ class Batch:
 
 def make_batch(input_ids: Tensor, loss_mask: Tensor, lengths: Tensor, features: Tensor, lm_head: Tensor,
                noise_std: float = 0.0, generator: Optional[torch.Generator] = None,
-               token_map: Optional[Tensor] = None) -> Batch:
+               token_map: Optional[Tensor] = None, next_token: Optional[Tensor] = None) -> Batch:
     """Build the shifted batch from right-padded ``[B, L]`` tokens/mask, ``lengths [B]`` and features ``[B, L, H]``.
 
     ``noise_std > 0`` adds EAGLE's uniform noise scaled by 512 / L per sample.
 
     ``token_map [K] int64`` (a reduced draft vocabulary): the target side is computed over those K
     lm_head rows only (its distribution restricted to them and renormalised); the target token of
-    row t is the data's ``x_{t+2}`` (on-policy data: the target's own greedy choice), and rows whose
-    token is outside the K, or unknown (the last row), leave the classification loss and count as
-    misses in the accuracy."""
+    row t is the data's ``x_{t+2}`` (on-policy data: the target's own greedy choice; for the row
+    before the last, ``next_token [B]``, -1 or None when unknown), and rows whose token is outside the
+    K, or unknown, leave the classification loss and count as misses in the accuracy."""
     B, L = input_ids.shape
     zero = torch.zeros(B, 1, dtype=input_ids.dtype, device=input_ids.device)
     tokens = torch.cat([input_ids[:, 1:], zero], 1)
@@ -89,8 +89,16 @@ def make_batch(input_ids: Tensor, loss_mask: Tensor, lengths: Tensor, features: 
         from poss.train.draft_vocab import inverse_map
 
         inv = inverse_map(token_map.to(input_ids.device), lm_head.shape[0])
-        nxt = torch.cat([input_ids[:, 2:], torch.zeros(B, 2, dtype=input_ids.dtype, device=input_ids.device)], 1)
-        known = torch.arange(L, device=input_ids.device).view(1, L) + 2 < lengths.to(input_ids.device).view(B, 1)
+        dev = input_ids.device
+        nxt = torch.cat([input_ids[:, 2:], torch.zeros(B, 2, dtype=input_ids.dtype, device=dev)], 1)
+        t2 = torch.arange(L, device=dev).view(1, L) + 2
+        n = lengths.to(dev).view(B, 1)
+        known = t2 < n
+        if next_token is not None:
+            after = next_token.to(dev).view(B, 1)
+            last = (t2 == n) & (after >= 0)
+            nxt = torch.where(last, after, nxt)
+            known = known | last
         red = torch.where(known, inv[nxt], torch.full_like(nxt, -1))[row_mask]
         top1 = torch.where(red >= 0, z.argmax(-1), red)
     return Batch(tokens, feats, target, row_mask, target_p, top1, red >= 0)

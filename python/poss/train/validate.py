@@ -37,7 +37,7 @@ def evaluate(draft: PosSDraft, features, examples: Sequence[Example], ids: Seque
         b = collate([examples[i] for i in chunk])
         f = features(b["input_ids"], b["lengths"], [ids[i] for i in chunk])
         batch = make_batch(b["input_ids"].to(f.device), b["loss_mask"].to(f.device), b["lengths"], f, runner.lm_head,
-                           token_map=draft.token_map)
+                           token_map=draft.token_map, next_token=b["next_token"])
         for k, m in enumerate(run_steps(draft, batch, runner.embed, runner.lm_head, runner.inv_freq, obj,
                                         backward=False, autocast_dtype=autocast_dtype)):
             M = float(m["count"])
