@@ -133,6 +133,62 @@ def test_eval_full_draft_vocab_is_its_own_method_beside_the_trained_one(tiny_fol
     assert mb["poss-k"] == mb["poss-k+full-vocab"]  # the head is the target's, not a parameter
 
 
+def test_eval_resume_refuses_other_settings_and_another_draft_of_the_same_name(tiny_folder, tmp_path, capsys):
+    import shutil
+
+    from poss.cli import main
+
+    torch.set_num_threads(1)
+    data = jsonl(tmp_path / "mini.jsonl", [{"question_id": i, "turns": [f"say {i}"]} for i in range(2)])
+    out = tmp_path / "out"
+    def argv(draft, *extra):
+        return ["eval", "--target", str(tiny_folder / "target"), "--drafts", str(draft), "--datasets", "none",
+                "--dataset", str(data), "--limit", "1", "--max-new-tokens", "8", "--num-nodes", "10",
+                "--depth", "3", "--beam-width", "3", "--out", str(out), *extra]
+
+    assert main(argv(tiny_folder / "eagle")) == 0
+    before = (out / "records.jsonl").read_text()
+    assert main(argv(tiny_folder / "eagle", "--max-new-tokens", "12")) == 2
+    assert "max_new_tokens 8 (now 12)" in capsys.readouterr().err
+    other = tmp_path / "elsewhere" / "eagle"  # another draft that goes by the same name
+    shutil.copytree(tiny_folder / "poss-k", other)
+    assert main(argv(other)) == 2
+    assert "another draft named 'eagle'" in capsys.readouterr().err
+    assert (out / "records.jsonl").read_text() == before  # nothing was added to the refused folder
+    shutil.copytree(tiny_folder / "eagle", other, dirs_exist_ok=True)  # the same weights elsewhere resume
+    assert main(argv(other, "--limit", "2")) == 0
+    assert len((out / "records.jsonl").read_text().splitlines()) == 4
+
+
+def test_eval_resume_after_a_kill_mid_line_redoes_that_question_and_loses_none(tiny_folder, tmp_path):
+    from poss.cli import main
+
+    torch.set_num_threads(1)
+    data = jsonl(tmp_path / "mini.jsonl", [{"question_id": i, "turns": [f"say {i}"]} for i in range(3)])
+    out = tmp_path / "out"
+    argv = ["eval", "--target", str(tiny_folder / "target"), "--drafts", "--datasets", "none", "--dataset",
+            str(data), "--max-new-tokens", "6", "--out", str(out)]
+    assert main(argv + ["--limit", "2"]) == 0  # --drafts with no folder: ar only
+    lines = (out / "records.jsonl").read_text().splitlines(keepends=True)
+    (out / "records.jsonl").write_text(lines[0] + lines[1][:25])  # killed while writing question 1
+    assert main(argv) == 0
+    recs = [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()]
+    assert sorted(r["question_id"] for r in recs) == [0, 1, 2]
+
+
+def test_speedup_is_timed_on_the_questions_both_methods_answered():
+    from poss.eval.report import build
+
+    def rec(method, q, tokens, seconds):
+        return {"method": method, "dataset": "d", "question_id": q,
+                "turns": [{"tokens": tokens, "seconds": seconds, "accept_hist": [tokens], "token_ids": [0]}]}
+
+    # ar: question 1 runs at 100 tokens/s, question 2 at 10; x answered only question 1, at ar's speed
+    res = build([rec("ar", 1, 100, 1.0), rec("ar", 2, 10, 1.0), rec("x", 1, 100, 1.0)], 6, {"temperature": 0})
+    assert res["methods"]["x"]["datasets"]["d"]["speedup"] == pytest.approx(1.0)
+    assert res["methods"]["x"]["overall"]["speedup"] == pytest.approx(1.0)
+
+
 @pytest.mark.parametrize("bad,msg", [(["--limit", "0"], "--limit"), (["--temperature", "-1"], "--temperature"),
                                      (["--drafts", "nowhere"], "--drafts"), (["--datasets", "nope"], "--datasets"),
                                      (["--turns", "0"], "--turns"), (["--draft-vocab", "all"], "--draft-vocab")])

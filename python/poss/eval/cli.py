@@ -74,7 +74,7 @@ def run_eval(args) -> int:
     import torch
 
     from poss.eval.report import write
-    from poss.eval.run import Settings, evaluate
+    from poss.eval.run import ResumeConflict, Settings, evaluate
     from poss.hardware import resolve_dtype
 
     datasets = {n: load_eval_set(n) for n in names}
@@ -90,7 +90,10 @@ def run_eval(args) -> int:
     s = Settings(args.max_new_tokens, args.num_nodes, args.depth, args.beam_width, args.temperature, args.seed,
                  args.turns, args.lookup, args.draft_vocab)
     dtype = resolve_dtype(args.dtype, "cpu")
-    evaluate(args.target, methods, datasets, args.out, s, dtype=dtype, limit=args.limit)
+    try:
+        evaluate(args.target, methods, datasets, args.out, s, dtype=dtype, limit=args.limit)
+    except ResumeConflict as e:
+        raise UsageError(f"--out: {e}") from None
     res = write(args.out, args.depth, vars(s), args.threads, dtype)
     print((Path(args.out) / "table.md").read_text())
     same = {n: m["identical"] for n, m in res["methods"].items() if n not in ("ar", "hf")}

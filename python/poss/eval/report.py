@@ -17,17 +17,26 @@ def build(records: List[dict], depth: int, settings: Dict, threads=None, dtype="
         m = methods.setdefault(r["method"], {"draft": r.get("draft"), "datasets": {}, "questions": {}})
         m["datasets"].setdefault(r["dataset"], []).append(r)
     ar = methods.get("ar")
-    ar_ids = {(r["dataset"], r["question_id"]): [t["token_ids"] for t in r["turns"]]
-              for rs in (ar["datasets"].values() if ar else []) for r in rs}
+    ar_recs = {(r["dataset"], r["question_id"]): r for rs in (ar["datasets"].values() if ar else []) for r in rs}
+    ar_ids = {k: [t["token_ids"] for t in r["turns"]] for k, r in ar_recs.items()}
+
+    def paired_speedup(rs: List[dict]) -> float:
+        # Over the questions both answered: prompts differ a lot in speed, so a partial run (or a
+        # different --limit) must not be timed against another set of prompts.
+        rs = [r for r in rs if (r["dataset"], r["question_id"]) in ar_recs]
+        if not rs:
+            return math.nan
+        a = summarize(rs, depth)
+        b = summarize([ar_recs[(r["dataset"], r["question_id"])] for r in rs], depth)
+        return speedup(a["tokens"], a["seconds"], b["tokens"], b["seconds"])
+
     out = {"settings": settings, "machine": describe(dtype, threads), "methods": {}}
     for name, m in methods.items():
         per = {ds: summarize(rs, depth) for ds, rs in m["datasets"].items()}
         allq = [r for rs in m["datasets"].values() for r in rs]
         overall = summarize(allq, depth)
         for ds, s in list(per.items()) + [("overall", overall)]:
-            base = (ar and (summarize(ar["datasets"].get(ds, []), depth) if ds != "overall"
-                            else summarize([r for rs in ar["datasets"].values() for r in rs], depth)))
-            s["speedup"] = speedup(s["tokens"], s["seconds"], base["tokens"], base["seconds"]) if base else math.nan
+            s["speedup"] = paired_speedup(m["datasets"][ds] if ds != "overall" else allq)
         same = total = 0
         if settings.get("temperature", 0) == 0 and ar_ids:
             for r in allq:

@@ -4,19 +4,21 @@ A method is the autoregressive loop (``ar``: our runner with no draft, the speed
 draft folder (speculative decoding on the same runner), or ``hf`` (``transformers`` ``generate``,
 greedy, as the external reference). Multi-turn questions (MT-Bench) ask turn 2 after the method's
 own answer to turn 1. Each finished question is appended to ``records.jsonl``, so an interrupted
-run resumes at the next question.
+run resumes at the next question; each record carries the run's settings and its draft's weights hash,
+and a resume with other ones is refused rather than mixed into one table.
 """
 
+import hashlib
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
 import torch
 
 from poss.decode.params import SamplingParams, TreeParams
-from poss.jsonl import read_jsonl
+from poss.jsonl import open_for_append, read_jsonl
 
 
 @dataclass
@@ -45,6 +47,39 @@ def method_name(draft: Optional[str], draft_vocab: str = "trained") -> str:
 def read_done(path: Path) -> Dict[tuple, dict]:
     """``(method, dataset, question_id) -> record`` of the questions already answered."""
     return {(r["method"], r["dataset"], r["question_id"]): r for r in read_jsonl(path)}
+
+
+def run_settings(s: Settings, dtype) -> Dict:
+    """What every record of one results folder must share, stored in each record: the settings
+    (``draft_vocab`` is part of the method name instead), the dtype and the thread count."""
+    out = {k: v for k, v in asdict(s).items() if k != "draft_vocab"}
+    return {**out, "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads()}
+
+
+def draft_sha256(draft: str) -> str:
+    """The first 16 hex digits of the sha256 of a draft folder's weights: two drafts with one
+    folder name are told apart."""
+    return hashlib.sha256((Path(draft) / "model.safetensors").read_bytes()).hexdigest()[:16]
+
+
+class ResumeConflict(ValueError):
+    """An ``--out`` folder whose records cannot be continued by this run."""
+
+
+def check_resumable(done: Dict[tuple, dict], settings: Dict, drafts: Dict[str, Optional[str]], path: Path) -> None:
+    """Raise :class:`ResumeConflict` when ``path`` holds records made with other settings, or by another draft
+    under one of this run's method names: resuming would mix them into one table. Records written
+    before settings were stored carry none and are not checked."""
+    for (name, _, _), r in done.items():
+        have = r.get("settings")
+        if have is not None and have != settings:
+            diff = ", ".join(f"{k} {have.get(k)!r} (now {v!r})" for k, v in settings.items() if have.get(k) != v)
+            raise ResumeConflict(f"{path} holds records made with other settings: {diff}; "
+                             f"use a new --out or the same settings")
+        sha = drafts.get(name)
+        if sha is not None and r.get("draft_sha256") not in (None, sha):
+            raise ResumeConflict(f"{path} holds answers of another draft named {name!r} ({r.get('draft')}); "
+                             f"use a new --out")
 
 
 class HFMethod:
@@ -103,8 +138,12 @@ def evaluate(target: str, drafts: Iterable[Optional[str]], datasets: Dict[str, L
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "records.jsonl"
-    done = read_done(path)
-    with open(path, "a") as f:
+    drafts = list(drafts)
+    shas = {method_name(d, s.draft_vocab): draft_sha256(d) for d in drafts if d not in (None, "hf")}
+    settings = run_settings(s, dtype)
+    with open_for_append(path) as f:
+        done = read_done(path)
+        check_resumable(done, settings, shas, path)
         for d in drafts:
             name = method_name(d, s.draft_vocab)
             gen = poss.load(target, draft=None if d in (None, "hf") else d, dtype=dtype, draft_vocab=s.draft_vocab)
@@ -125,7 +164,8 @@ def evaluate(target: str, drafts: Iterable[Optional[str]], datasets: Dict[str, L
                                                                  lookup=s.lookup))
                     warm = True
                 for r in tqdm(todo, desc=f"{name} {ds}", disable=not progress, dynamic_ncols=True):
-                    rec = {"method": name, "draft": None if d in (None, "hf") else str(d), "dataset": ds,
+                    rec = {"method": name, "draft": None if d in (None, "hf") else str(d),
+                           "draft_sha256": shas.get(name), "settings": settings, "dataset": ds,
                            "question_id": r["question_id"], "turns": answer(method, r, s)}
                     f.write(json.dumps(rec) + "\n")
                     f.flush()
