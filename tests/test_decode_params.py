@@ -12,10 +12,23 @@ from poss.models.draft_config import DraftConfig
 
 @pytest.mark.parametrize("kw,match", [(dict(temperature=-1), "temperature"), (dict(top_k=-1), "top_k"),
                                       (dict(top_p=2.0), "top_p"), (dict(top_p=0.0), "top_p"),
-                                      (dict(min_p=1.5), "min_p")])
+                                      (dict(min_p=1.5), "min_p"),
+                                      # they pass a float64 / Python-int check but break the float32 /
+                                      # int32 sampler or the 64-bit seed mid-batch
+                                      (dict(temperature=1e-39), "temperature"), (dict(temperature=1e39), "temperature"),
+                                      (dict(top_k=2 ** 31), "top_k"), (dict(top_p=1e-50), "top_p"),
+                                      (dict(seed=2 ** 64), "seed"), (dict(seed=-1), "seed")])
 def test_bad_sampling_parameters_are_clear_errors(kw, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kw)
+
+
+def test_the_edges_of_the_sampling_ranges_build_their_tensors():
+    ps = [SamplingParams(temperature=1e-5, top_k=2 ** 31 - 1, top_p=1e-30, seed=2 ** 64 - 1),
+          SamplingParams(temperature=1e4)]
+    t = SamplingTensors.build(ps, "cpu")
+    assert torch.isfinite(1 / t.temperature).all() and t.top_k[0] == 2 ** 31 - 1 and t.top_p[0] > 0
+    torch.Generator().manual_seed(ps[0].seed)
 
 
 @pytest.mark.parametrize("kw,match", [(dict(num_nodes=0), "num_nodes"), (dict(num_nodes=257), "num_nodes"),

@@ -33,6 +33,18 @@ def test_empty_prompt_is_a_clear_error(gen):
         gen.generate([PROMPTS[0], []], 4)
 
 
+@pytest.mark.parametrize("bad", [-3, 10 ** 6])
+def test_a_token_id_outside_the_vocabulary_is_a_clear_error(gen, bad):
+    with pytest.raises(ValueError, match=rf"prompt 1 has token id {bad}, outside the vocabulary"):
+        gen.generate([PROMPTS[0], [5, bad]], 4)
+
+
+def test_no_prompts_is_refused_before_an_auto_tree_is_sized(gen, monkeypatch):
+    monkeypatch.setattr(gen, "auto_tree", lambda *a, **k: pytest.fail("sized a tree for no prompts"))
+    with pytest.raises(ValueError, match="no prompts given"):
+        gen.generate([], 4, tree="auto")
+
+
 @pytest.mark.parametrize("extra", [0, 5])
 def test_prompt_at_or_over_the_context_limit_is_a_clear_error(gen, extra):
     limit = gen.context_limit

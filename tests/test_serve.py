@@ -248,6 +248,11 @@ BAD = {
     "top_p_zero": ("chat", with_(CHAT, top_p=0), 400, "top_p"),
     "top_p_over_one": ("completions", with_(COMP, top_p=1.5), 400, "top_p"),
     "top_k_negative": ("chat", with_(CHAT, top_k=-1), 400, "top_k"),
+    # valid JSON numbers that would overflow the float32 / int32 sampler or the 64-bit seed in the batch
+    "temperature_tiny": ("chat", with_(CHAT, temperature=1e-39), 400, "temperature"),
+    "top_k_over_int32": ("chat", with_(CHAT, top_k=2 ** 40, temperature=1), 400, "top_k"),
+    "top_p_rounds_to_zero": ("completions", with_(COMP, top_p=1e-50, temperature=1), 400, "top_p"),
+    "seed_over_64_bits": ("completions", with_(COMP, seed=2 ** 64, temperature=1), 400, "seed"),
     "n_two": ("chat", with_(CHAT, n=2), 400, "n"),
     "prompt_longer_than_context": ("completions", with_(COMP, prompt="word " * 300), 400, "prompt"),
     "chat_longer_than_context": ("chat", with_(CHAT, messages=[{"role": "user", "content": "x" * 400}]), 400,

@@ -84,8 +84,12 @@ def _params(args):
     """``(SamplingParams, TreeParams)`` from the flags; ``UsageError`` names the bad flag."""
     from poss.decode.params import SamplingParams
 
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                              min_p=args.min_p, seed=args.seed)
+    try:
+        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                  min_p=args.min_p, seed=args.seed)
+    except ValueError as e:
+        raise UsageError(re.sub(r"\b(temperature|top_k|top_p|min_p|seed)\b",
+                                lambda m: "--" + m.group(1).replace("_", "-"), str(e))) from None
     try:
         tree = tree_from_flags(args.num_nodes, args.depth, args.beam_width, args.lookup)
     except ValueError as e:

@@ -172,6 +172,8 @@ class Generator:
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                               and isinstance(prompts[0], (int, dict)))
         prompts = [prompts] if single else list(prompts)
+        if not prompts:  # before resolve_tree, whose "auto" may time the machine first
+            raise ValueError("no prompts given")
         tree = self.resolve_tree(tree, **{k: options.pop(k) for k in ("num_nodes", "depth", "beam_width", "lookup")
                                           if k in options})
         params = SamplingParams.per_request(sampling, len(prompts), **options)
@@ -229,6 +231,10 @@ class Generator:
             ids = self.encode(p)
             if not ids:
                 raise ValueError(f"prompt {i} is empty: there is no token to continue from")
+            vocab = self.runner.embed.shape[0]
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"prompt {i} has token id {bad}, outside the vocabulary [0, {vocab})")
             if len(ids) >= self.context_limit:
                 raise ValueError(f"prompt {i} has {len(ids)} tokens, at or over the context limit of "
                                  f"{self.context_limit}: no room to generate")

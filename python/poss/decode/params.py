@@ -7,6 +7,7 @@ row in :class:`SamplingTensors`, the batch's device copy that ``tree_verify`` re
 
 import hashlib
 import random
+import struct
 from dataclasses import dataclass, fields
 from typing import List, Optional, Sequence
 
@@ -17,6 +18,17 @@ from torch import Tensor
 # candidates (see poss_ext.ops).
 MAX_TREE_NODES = 256
 MAX_TREE_CANDIDATES = 2048
+
+# The sampler works in float32 with 1 / temperature and takes top_k as int32, and seeds are 64-bit:
+# values that pass a float64 / Python-int check but not these would fail mid-batch.
+MIN_TEMPERATURE = 1e-5  # below it float32 logits / temperature overflow (vLLM draws the line here too)
+MAX_TEMPERATURE = 1e4
+MAX_TOP_K = 2 ** 31 - 1
+SEED_RANGE = (0, 2 ** 64)
+
+
+def _float32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 @dataclass(frozen=True)
@@ -38,14 +50,17 @@ class SamplingParams:
     seed: Optional[int] = None
 
     def __post_init__(self):
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):  # NaN too
+            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], "
+                             f"got {self.temperature}")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be in [0, {MAX_TOP_K}] (0 = off), got {self.top_k}")
+        if not (0 < self.top_p <= 1 and _float32(self.top_p) > 0):
+            raise ValueError(f"top_p must be in (0, 1] and not round to 0 in float32 (1 = off), got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed}")
 
     @property
     def greedy(self) -> bool:

@@ -160,9 +160,9 @@ class ContinuousBackend(Backend):
     def add(self, request: GenRequest) -> None:
         from poss.decode.params import SamplingParams
 
-        sampling = SamplingParams(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
-                                  seed=request.seed)
         try:
+            sampling = SamplingParams(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
+                                      seed=request.seed)
             eid = self.engine.add(request.prompt, request.max_tokens, sampling, stop=request.stop)
         except ValueError as exc:  # the app validates first; never let one request stop the worker
             self._out.append(Event(request.id, finish_reason="error", error=str(exc)))

@@ -10,6 +10,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple, Union
 
+from poss.decode.params import MAX_TOP_K, MIN_TEMPERATURE, SamplingParams
+
 MAX_STOP_STRINGS = 16
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Parameters whose requested behaviour poss does not implement: a clear 400 instead of silently
@@ -164,15 +166,23 @@ def parse_request(body: Dict[str, Any], kind: str) -> Params:
         if v is not None and p.max_tokens is None:
             p.max_tokens = v
     p.temperature = float(_get(body, "temperature", _is_number, "a number", 1.0))
-    if not 0 <= p.temperature <= 2:
-        raise bad(f"'temperature' must be in [0, 2], got {p.temperature}", param="temperature", code="invalid_value")
+    if not (p.temperature == 0 or MIN_TEMPERATURE <= p.temperature <= 2):
+        raise bad(f"'temperature' must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, 2], got {p.temperature}",
+                  param="temperature", code="invalid_value")
     p.top_p = float(_get(body, "top_p", _is_number, "a number", 1.0))
     if not 0 < p.top_p <= 1:
         raise bad(f"'top_p' must be in (0, 1], got {p.top_p}", param="top_p", code="invalid_value")
     p.top_k = _get(body, "top_k", _is_int, "an integer", 0)
-    if p.top_k < 0:
-        raise bad(f"'top_k' must be >= 0 (0: off), got {p.top_k}", param="top_k", code="invalid_value")
+    if not 0 <= p.top_k <= MAX_TOP_K:
+        raise bad(f"'top_k' must be in [0, {MAX_TOP_K}] (0: off), got {p.top_k}", param="top_k", code="invalid_value")
     p.seed = _get(body, "seed", _is_int, "an integer")
+    # What passes here must also pass SamplingParams (float32 top_p, 64-bit seed): a request failing
+    # inside the batch would fail the requests decoding beside it.
+    for name in ("top_p", "seed"):
+        try:
+            SamplingParams(**{name: getattr(p, name)})
+        except ValueError as exc:
+            raise bad(f"'{name}': {exc}", param=name, code="invalid_value") from None
     n = _get(body, "n", _is_int, "an integer", 1)
     if n != 1:
         raise bad(f"'n' must be 1: poss returns one choice per request, got n={n}", param="n", code="invalid_value")
