@@ -4,7 +4,8 @@
     python scripts/eval_merge.py --out runs/eval-31-80 --questions 30:80 runs/eval-a runs/eval-b
 
 Every input folder holds ``records.jsonl`` and the ``results.json`` its run wrote; their settings and
-machine must agree. ``--questions A:B`` keeps the questions at positions ``A .. B-1`` of each packaged
+machine must agree, and so must the settings each record carries (a folder's ``results.json`` only
+describes its last invocation). ``--questions A:B`` keeps the questions at positions ``A .. B-1`` of each packaged
 set (0-based, in the set's order), for a table over a subset, e.g. the questions one run timed.
 The output folder gets the merged ``records.jsonl``, the drafts' ``draft-*.json`` and the report
 (``results.json``, ``table.md``, plots) of ``poss.eval.report.write``.
@@ -28,25 +29,36 @@ def question_positions(dataset: str):
 
 def merge(inputs, out: Path, questions=None) -> dict:
     from poss.eval.report import write
+    from poss.jsonl import read_jsonl
 
     runs = [json.loads((Path(d) / "results.json").read_text()) for d in inputs]
     for key in ("settings", "machine"):
         if any(r[key] != runs[0][key] for r in runs[1:]):
             sys.exit(f"eval_merge: the inputs' {key} differ: {[r[key] for r in runs]}")
     out.mkdir(parents=True, exist_ok=True)
-    positions, seen, kept = {}, set(), []
+    positions, seen, kept, settings = {}, set(), [], {}
     for d in inputs:
-        for line in (Path(d) / "records.jsonl").read_text().splitlines():
-            r = json.loads(line)
+        for r in read_jsonl(Path(d) / "records.jsonl"):
             key = (r["method"], r["dataset"], r["question_id"])
             if key in seen:
                 continue
             if questions is not None:
                 pos = positions.setdefault(r["dataset"], question_positions(r["dataset"]))
+                if pos is not None and r["question_id"] not in pos:
+                    sys.exit(f"eval_merge: {d} has question {r['question_id']!r}, which the packaged "
+                             f"{r['dataset']} set does not hold")
                 if pos is None or not questions[0] <= pos[r["question_id"]] < questions[1]:
                     continue
+            if r.get("settings") is not None:  # records written before settings were stored carry none
+                settings.setdefault(json.dumps(r["settings"], sort_keys=True), d)
             seen.add(key)
-            kept.append(line)
+            kept.append(json.dumps(r))
+    if len(settings) > 1:
+        sys.exit(f"eval_merge: the records' settings differ (first seen in {', '.join(map(str, settings.values()))}): "
+                 f"{list(settings)}")
+    for d in inputs:
+        for p in Path(d).glob("draft-*.json"):
+            shutil.copy(p, out / p.name)
         for p in Path(d).glob("draft-*.json"):
             shutil.copy(p, out / p.name)
     (out / "records.jsonl").write_text("\n".join(kept) + "\n")

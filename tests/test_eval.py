@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -134,8 +135,6 @@ def test_eval_full_draft_vocab_is_its_own_method_beside_the_trained_one(tiny_fol
 
 
 def test_eval_resume_refuses_other_settings_and_another_draft_of_the_same_name(tiny_folder, tmp_path, capsys):
-    import shutil
-
     from poss.cli import main
 
     torch.set_num_threads(1)
@@ -232,3 +231,12 @@ def test_merge_two_runs_and_a_question_range(tiny_folder, tmp_path):
     run("qa", tmp_path / "c", new=4)
     with pytest.raises(SystemExit, match="settings differ"):
         em.merge([tmp_path / "a", tmp_path / "c"], tmp_path / "bad")
+    # results.json describes a folder's last run only: the records' own settings are compared too
+    shutil.copy(tmp_path / "a" / "results.json", tmp_path / "c" / "results.json")
+    with pytest.raises(SystemExit, match="records' settings differ"):
+        em.merge([tmp_path / "a", tmp_path / "c"], tmp_path / "bad")
+    # a question id the packaged set does not hold is named, not a KeyError
+    with open(tmp_path / "b" / "records.jsonl", "a") as f:
+        f.write(json.dumps({"method": "ar", "dataset": "qa", "question_id": "nope", "turns": []}) + "\n")
+    with pytest.raises(SystemExit, match="question 'nope'"):
+        em.merge([tmp_path / "a", tmp_path / "b"], tmp_path / "bad", questions=(0, 2))
