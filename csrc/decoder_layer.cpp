@@ -7,9 +7,11 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <limits>
 
 #include "poss/arg_checks.h"
 #include "poss/layer_args.h"
+#include "poss/tree_attention_args.h"
 
 namespace poss {
 namespace {
@@ -76,6 +78,9 @@ void check_vector(const at::Tensor& t, const char* name, int64_t n, const at::Te
   check_same_device(t, name, x, "x");
 }
 
+// Everything the layer's ops would check, checked before rope_qkv writes the cache, with this
+// op's argument names: a later op's error would leave the cache written and name its own
+// arguments (q, start).
 void check_layer(const at::Tensor& x, const LayerWeights& w, const LayerInputs& in) {
   check_float_dtype(x, "x");
   check_dim(x, "x", 3, "[B, T, H]");
@@ -83,7 +88,19 @@ void check_layer(const at::Tensor& x, const LayerWeights& w, const LayerInputs& 
   TORCH_CHECK(in.num_heads > 0 && in.num_kv_heads > 0 && in.num_heads % in.num_kv_heads == 0,
               "num_heads must be a positive multiple of num_kv_heads, got ", in.num_heads, " and ",
               in.num_kv_heads);
-  const int64_t B = x.size(0), T = x.size(1), H = x.size(2), D = in.k_cache.size(3);
+  const int64_t B = x.size(0), T = x.size(1), H = x.size(2), S = in.k_cache.size(2),
+                D = in.k_cache.size(3);
+  TORCH_CHECK(D == 64 || D == 80 || D == 96 || D == 128 || D == 256,
+              "k_cache.size(3) (head dim D) must be one of 64, 80, 96, 128, 256, got shape ",
+              shape_str(in.k_cache));
+  check_dtype(in.k_cache, "k_cache", x.scalar_type());
+  check_size(in.k_cache, "k_cache", 0, B, "B");
+  check_size(in.k_cache, "k_cache", 1, in.num_kv_heads, "num_kv_heads");
+  check_same_device(in.k_cache, "k_cache", x, "x");
+  TORCH_CHECK(in.v_cache.sizes() == in.k_cache.sizes(), "v_cache must have k_cache's shape ",
+              shape_str(in.k_cache), ", got ", shape_str(in.v_cache));
+  check_dtype(in.v_cache, "v_cache", x.scalar_type());
+  check_same_device(in.v_cache, "v_cache", x, "x");
   const int64_t qkv = (in.num_heads + 2 * in.num_kv_heads) * D;
   TORCH_CHECK(w.w_gate_up.dim() == 2 && w.w_gate_up.size(0) % 2 == 0,
               "w_gate_up must be [2F, H] (gate rows then up rows), got shape ", shape_str(w.w_gate_up));
@@ -103,8 +120,41 @@ void check_layer(const at::Tensor& x, const LayerWeights& w, const LayerInputs& 
   check_dim(in.parents, "parents", 2, "[B, N]");
   check_size(in.parents, "parents", 0, B, "B");
   check_same_device(in.parents, "parents", x, "x");
-  TORCH_CHECK(in.parents.size(1) >= T, "parents must hold at least T = ", T,
+  const int64_t N = in.parents.size(1);
+  TORCH_CHECK(N >= 1 && N >= T, "parents must hold at least one node (the root) and T = ", T,
               " nodes (the new tokens are its last T nodes), got shape ", shape_str(in.parents));
+  TORCH_CHECK(N <= S, "k_cache.size(2) (S) must be >= N = parents.size(1) = ", N, ", got shape ",
+              shape_str(in.k_cache));
+  check_dtype(in.positions, "positions", at::kLong);
+  check_dim(in.positions, "positions", 2, "[B, T]");
+  check_size(in.positions, "positions", 0, B, "B");
+  check_size(in.positions, "positions", 1, T, "T");
+  check_same_device(in.positions, "positions", x, "x");
+  check_dtype(in.inv_freq, "inv_freq", at::kFloat);
+  check_dim(in.inv_freq, "inv_freq", 1, "[D / 2]");
+  check_size(in.inv_freq, "inv_freq", 0, D / 2, "D / 2");
+  check_same_device(in.inv_freq, "inv_freq", x, "x");
+#ifdef POSS_WITH_CUDA
+  // The CUDA kernels of rope_qkv and tree_attention check the values with device asserts: no host
+  // sync per layer.
+  if (x.is_cuda()) return;
+#endif
+  // CPU tensors, or CUDA ones served by the Python references (which read them on the host anyway).
+  const auto prefix_len = in.prefix_len.cpu().contiguous();
+  const auto parents = in.parents.cpu().contiguous();
+  const int32_t* pl = prefix_len.data_ptr<int32_t>();
+  const int32_t* par = parents.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    check_attention_tree(par + b * N, N, b);
+    // int64: prefix_len + N overflows int32 near INT32_MAX.
+    const int64_t end = int64_t{pl[b]} + N;
+    TORCH_CHECK(pl[b] >= 0 && end <= S, "prefix_len[", b, "] = ", pl[b],
+                " must be >= 0 and leave room for the tree's N = ", N,
+                " nodes in k_cache (prefix_len + N <= S = ", S,
+                "); the new tokens' K/V start at slot prefix_len + N - T");
+    TORCH_CHECK(end - T <= std::numeric_limits<int32_t>::max(), "prefix_len[", b, "] + N - T = ",
+                end - T, " (the slot the new tokens' K/V start at) must fit in int32");
+  }
 }
 
 }  // namespace
@@ -113,6 +163,8 @@ at::Tensor decoder_layer_forward(const at::Tensor& x, const LayerWeights& w, Lay
   check_layer(x, w, in);
   const int64_t B = x.size(0), T = x.size(1), H = x.size(2), D = in.k_cache.size(3);
   const int64_t N = in.parents.size(1);
+  // No new tokens: nothing to write to the cache (and view({B, T, -1}) below would be ambiguous).
+  if (B * T == 0) return at::empty({B, T, H}, x.options());
   const auto x2 = x.reshape({B * T, H});
   const auto a = w.in_norm_w ? call_rms_norm(x2, *w.in_norm_w, in.eps) : x2;
   const auto qkv = call_linear(a, w.w_qkv, w.b_qkv, std::nullopt).view({B, T, -1});

@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from poss_ext import reference
+from poss_ext import fallback
 
 # ---- Tree verification (greedy and exact sampling) --------------------------------------------
 
@@ -271,7 +271,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 @torch.library.register_fake("poss::rms_norm")
 def _rms_norm_fake(x, weight, eps):
     torch._check(weight.shape == (x.shape[-1],), lambda: "weight must be [H]")
-    return torch.empty_like(x)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)  # the kernel writes x.contiguous()'s layout
 
 
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
@@ -284,7 +284,8 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tup
 @torch.library.register_fake("poss::add_rms_norm")
 def _add_rms_norm_fake(x, residual, weight, eps):
     torch._check(residual.shape == x.shape, lambda: "residual must have x's shape")
-    return torch.empty_like(x), torch.empty_like(x)
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(x, memory_format=torch.contiguous_format))
 
 
 def swiglu(gate_up: Tensor) -> Tensor:
@@ -305,7 +306,8 @@ def rope_qkv(qkv: Tensor, positions: Tensor, inv_freq: Tensor, k_cache: Tensor, 
         qkv: ``[B, T, (Hq + 2 Hkv) D]``; per token q heads, then k heads, then v heads.
         positions: ``[B, T] int64`` RoPE positions.
         inv_freq: ``[D / 2] float32`` inverse frequencies (any RoPE scaling is folded in here).
-        k_cache, v_cache: ``[B, Hkv, S, D]``, qkv's dtype; token t goes to slot ``start[b] + t`` (in place).
+        k_cache, v_cache: ``[B, Hkv, S, D]``, qkv's dtype, contiguous, separate memory; token t goes to
+            slot ``start[b] + t`` (in place).
         start: ``[B] int32``.
     Returns:
         q: ``[B, Hq, T, D]``. Rotate-half layout (HF Llama): element i pairs with i + D/2.
@@ -344,7 +346,7 @@ def decoder_layer(x, in_norm_w, w_qkv, b_qkv, w_o, post_norm_w, w_gate_up, w_dow
 
 @torch.library.register_fake("poss::decoder_layer")
 def _decoder_layer_fake(x, *args):
-    return torch.empty_like(x)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)  # a view of the last GEMM's output
 
 
 def specialist_forward(embeds, features, fc_w, fc_b, w_qkv, w_o, post_norm_w, w_gate_up, w_down,
@@ -366,14 +368,15 @@ def specialist_forward(embeds, features, fc_w, fc_b, w_qkv, w_o, post_norm_w, w_
 
 @torch.library.register_fake("poss::specialist_forward")
 def _specialist_forward_fake(embeds, *args):
-    return torch.empty_like(embeds)
+    return torch.empty_like(embeds, memory_format=torch.contiguous_format)
 
 
 # ---- Devices without compiled kernels ---------------------------------------------------------
 
 
 def _register_fallbacks(build_info: dict) -> None:
-    """Serve the ops on CUDA tensors with the pure-PyTorch references when no CUDA kernel was built."""
+    """Serve the ops on CUDA tensors with the pure-PyTorch references when no CUDA kernel was built,
+    behind the kernels' argument checks (poss_ext/fallback.py)."""
     if build_info["cuda"]:
         return
     # decoder_layer and specialist_forward are composites: they dispatch to these.
@@ -381,7 +384,7 @@ def _register_fallbacks(build_info: dict) -> None:
                  "add_rms_norm", "swiglu", "rope_qkv"):
         if name == "tree_attention" and ATTENTION_BACKEND == "triton":
             continue  # _register_attention_backend serves it
-        torch.library.register_kernel(f"poss::{name}", "CUDA", getattr(reference, name))
+        torch.library.register_kernel(f"poss::{name}", "CUDA", fallback.checked(name))
 
 
 # ---- Attention kernel on CUDA -----------------------------------------------------------------

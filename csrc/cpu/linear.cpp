@@ -397,7 +397,7 @@ at::Tensor linear_kernel(const at::Tensor& x, const at::Tensor& weight, const st
   const int64_t K = x.size(-1), N = weight.size(0);
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;
-  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  const at::Tensor x2 = x.reshape({linear_rows(x), K}).contiguous();
   const auto w = weight.contiguous();
   const int64_t M = x2.size(0);
   auto out = at::empty({M, N}, x.options());

@@ -277,11 +277,7 @@ void check_values(const at::Tensor& parents, const at::Tensor& prefix_len, int64
   int64_t general = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int32_t* row = par + b * N;
-    const TreeScan t = scan_parents(row, static_cast<int32_t>(N));
-    check_tree_scan(t, b, row);
-    TORCH_CHECK(attention_tree_fits(t), "parents[", b, "] is a general (non-chain) tree with ",
-                t.n_real, " real nodes; at most ", kAttnMaxTreeNodes,
-                " are supported (chains, parents[i] = i - 1, have no limit)");
+    const TreeScan t = check_attention_tree(row, N, b);
     TORCH_CHECK(pl[b] >= 0 && pl[b] + int64_t{t.n_real} <= S, "prefix_len[", b, "] = ", pl[b],
                 " must be >= 0 and leave room for the tree's ", t.n_real,
                 " real nodes in k_cache (S = ", S, ")");

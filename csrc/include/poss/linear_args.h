@@ -36,16 +36,21 @@ inline void check_linear(const at::Tensor& x, const at::Tensor& weight, const st
   }
 }
 
+// Rows of x [..., K]: with K = 0 (or N = 0 for residual), reshape({-1, 0}) cannot infer them.
+inline int64_t linear_rows(const at::Tensor& x) {
+  return c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
+}
+
 // The vendor GEMM (oneDNN / MKL on CPU, cuBLAS on CUDA); bias and residual ride in addmm's beta term.
 inline at::Tensor linear_aten(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                               const std::optional<at::Tensor>& residual) {
-  const int64_t K = x.size(-1), N = weight.size(0);
+  const int64_t M = linear_rows(x), K = x.size(-1), N = weight.size(0);
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;
-  const auto x2 = x.reshape({-1, K});
+  const auto x2 = x.reshape({M, K});
   at::Tensor out;
   if (residual) {
-    const auto add = bias ? residual->reshape({-1, N}) + *bias : residual->reshape({-1, N});
+    const auto add = bias ? residual->reshape({M, N}) + *bias : residual->reshape({M, N});
     out = at::addmm(add, x2, weight.t());
   } else if (bias) {
     out = at::addmm(*bias, x2, weight.t());

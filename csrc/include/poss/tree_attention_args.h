@@ -8,6 +8,8 @@
 #include <cmath>
 
 #include "poss/arg_checks.h"
+#include "poss/tree_attention.h"
+#include "poss/tree_checks.h"
 
 namespace poss {
 
@@ -57,6 +59,17 @@ inline TreeAttnShape check_tree_attention_args(const at::Tensor& q, const at::Te
   check_same_device(prefix_len, "prefix_len", q, "q");
   check_same_device(parents, "parents", q, "q");
   return {B, Hq, Hkv, Nq, N, S, D};
+}
+
+// Host check of request b's tree: the encoding, and a size the attention kernels take. Shared by
+// tree_attention's CPU kernel and decoder_layer, which must check before it writes the KV cache.
+inline TreeScan check_attention_tree(const int32_t* parents_row, int64_t N, int64_t b) {
+  const TreeScan t = scan_parents(parents_row, static_cast<int32_t>(N));
+  check_tree_scan(t, b, parents_row);
+  TORCH_CHECK(attention_tree_fits(t), "parents[", b, "] is a general (non-chain) tree with ",
+              t.n_real, " real nodes; at most ", kAttnMaxTreeNodes,
+              " are supported (chains, parents[i] = i - 1, have no limit)");
+  return t;
 }
 
 }  // namespace poss
