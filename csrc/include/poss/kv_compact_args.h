@@ -35,18 +35,7 @@ inline KvCompactShape check_kv_compact_args(const at::Tensor& k_cache, const at:
   TORCH_CHECK(v_cache.size(4) <= 1 || v_cache.stride(4) == 1,
               "v_cache must be contiguous in its last (D) dimension, got strides ",
               c10::str(v_cache.strides()));
-  // A slot shared by two layers or heads would be moved once per alias: the second move reads what
-  // the first one wrote.
-  TORCH_CHECK(at::has_internal_overlap(k_cache) != at::MemOverlap::Yes,
-              "k_cache must not have internal memory overlap (e.g. an expanded tensor), got strides ",
-              c10::str(k_cache.strides()));
-  TORCH_CHECK(at::has_internal_overlap(v_cache) != at::MemOverlap::Yes,
-              "v_cache must not have internal memory overlap (e.g. an expanded tensor), got strides ",
-              c10::str(v_cache.strides()));
-  // Moving one tensor's slots twice would read slots the first pass already overwrote.
-  const auto overlap = at::get_overlap_status(k_cache, v_cache);
-  TORCH_CHECK(overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
-              "v_cache must not share memory with k_cache");
+  check_separate_caches(k_cache, v_cache);
   const int64_t L = k_cache.size(0), B = k_cache.size(1), H = k_cache.size(2),
                 S = k_cache.size(3), D = k_cache.size(4);
   check_dim(prefix_len, "prefix_len", 1, "[B] int32");

@@ -2,7 +2,6 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
 
 #include "poss/arg_checks.h"
 
@@ -49,17 +48,7 @@ inline int64_t check_rope_qkv_args(const at::Tensor& qkv, const at::Tensor& posi
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache must have k_cache's shape ",
               shape_str(k_cache), ", got ", shape_str(v_cache));
   check_dtype(v_cache, "v_cache", qkv.scalar_type());
-  // Written in place: a slot shared by two heads, two positions or by K and V would keep whichever
-  // write came last.
-  TORCH_CHECK(at::has_internal_overlap(k_cache) != at::MemOverlap::Yes,
-              "k_cache must not have internal memory overlap (e.g. an expanded tensor), got strides ",
-              c10::str(k_cache.strides()));
-  TORCH_CHECK(at::has_internal_overlap(v_cache) != at::MemOverlap::Yes,
-              "v_cache must not have internal memory overlap (e.g. an expanded tensor), got strides ",
-              c10::str(v_cache.strides()));
-  const auto overlap = at::get_overlap_status(k_cache, v_cache);
-  TORCH_CHECK(overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
-              "v_cache must not share memory with k_cache");
+  check_separate_caches(k_cache, v_cache);
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
               "k_cache and v_cache must be contiguous");
   check_dtype(positions, "positions", at::kLong);
