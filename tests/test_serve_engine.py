@@ -1,8 +1,10 @@
-"""The engine and the HTTP layer on a fake :class:`Backend` (no model): the queue bound (429), cancelling
-waiting and running requests, a failing backend, and a backend that admits requests between steps
-(the continuous-batching shape phase 2 plugs in) behind the unchanged app."""
+"""The engine and the HTTP layer on a fake :class:`Backend` (no model): the queue bound (429) beyond the
+free batch slots, cancelling waiting and running requests, a failing backend (step, add, cancel), and a
+backend that admits requests between steps (the continuous-batching shape phase 2 plugs in) behind the
+unchanged app."""
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -81,12 +83,24 @@ def req(rid, text, max_tokens=100):
     return GenRequest(rid, [ord(c) for c in text], max_tokens)
 
 
-async def collect(handle):
-    text, last = [], None
-    async for ev in handle.events():
-        text.append(ev.text)
-        last = ev
-    return "".join(text), last
+async def collect(handle, timeout=10):
+    """``(text, final event)`` of a request; a timeout (not a hang) when its final event never comes."""
+    async def drain():
+        text, last = [], None
+        async for ev in handle.events():
+            text.append(ev.text)
+            last = ev
+        return "".join(text), last
+
+    return await asyncio.wait_for(drain(), timeout)
+
+
+async def until(condition, timeout=5.0):
+    for _ in range(int(timeout / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("timed out waiting for the engine")
 
 
 def test_engine_runs_requests_and_admits_them_between_steps():
@@ -149,6 +163,127 @@ def test_a_failing_backend_step_fails_its_requests_and_the_engine_keeps_serving(
     (_, bad), (text, good) = asyncio.run(run())
     assert bad.finish_reason == "error" and "boom" in bad.error
     assert text == "ok" and good.finish_reason == "stop"
+
+
+def test_max_queue_zero_takes_requests_while_batch_slots_are_free():
+    async def run():
+        backend = FakeBackend(max_batch=2)
+        backend.gate.clear()
+        engine = Engine(backend, max_queue=0)
+        engine.start()
+        try:
+            handles = [engine.submit(req("a", "ab")), engine.submit(req("b", "cd"))]  # the two free slots
+            with pytest.raises(QueueFull):
+                engine.submit(req("c", "ef"))
+            await until(lambda: backend.free_slots() == 0 and engine.queue_depth() == 0)
+            with pytest.raises(QueueFull):  # no free slot, and nothing may wait
+                engine.submit(req("d", "gh"))
+            backend.gate.set()
+            return await asyncio.gather(*(collect(h) for h in handles))
+        finally:
+            engine.stop()
+
+    assert [(text, ev.finish_reason) for text, ev in asyncio.run(run())] == [("ab", "stop"), ("cd", "stop")]
+
+
+def test_max_queue_n_lets_n_wait_beyond_the_free_slots_even_during_a_step():
+    async def run():
+        backend = FakeBackend(max_batch=3)
+        backend.gate.clear()
+        engine = Engine(backend, max_queue=2)
+        engine.start()
+        try:
+            handles = [engine.submit(req("a", "a"))]
+            await until(lambda: engine.queue_depth() == 0 and backend.waiting)  # the worker is inside step()
+            handles += [engine.submit(req(f"r{i}", "xy")) for i in range(4)]  # 2 free slots + 2 waiting
+            with pytest.raises(QueueFull):
+                engine.submit(req("over", "z"))
+            backend.gate.set()
+            return await asyncio.gather(*(collect(h) for h in handles))
+        finally:
+            engine.stop()
+
+    assert [(text, ev.finish_reason) for text, ev in asyncio.run(run())] == [("a", "stop")] + [("xy", "stop")] * 4
+
+
+class FailingBackend(FakeBackend):
+    """A FakeBackend whose ``add`` and ``cancel`` raise for the request ids in ``bad_adds`` / ``bad_cancels``."""
+
+    def __init__(self, bad_adds=(), bad_cancels=(), **kw):
+        super().__init__(**kw)
+        self.bad_adds, self.bad_cancels = set(bad_adds), set(bad_cancels)
+
+    def add(self, request):
+        if request.id in self.bad_adds:
+            raise RuntimeError(f"cannot add {request.id}")
+        super().add(request)
+
+    def cancel(self, request_id):
+        if request_id in self.bad_cancels:
+            raise RuntimeError(f"cannot cancel {request_id}")
+        super().cancel(request_id)
+
+
+def test_a_failing_add_fails_that_request_and_the_engine_keeps_serving(caplog):
+    async def run():
+        engine = Engine(FailingBackend(bad_adds={"bad"}, max_batch=2), max_queue=4)
+        engine.start()
+        try:
+            bad, good = engine.submit(req("bad", "no")), engine.submit(req("good", "ok"))
+            return await collect(bad), await collect(good), await collect(engine.submit(req("later", "yes")))
+        finally:
+            engine.stop()
+
+    with caplog.at_level(logging.ERROR, logger="poss.serve"):
+        (text, bad), (good_text, good), (later_text, later) = asyncio.run(run())
+    assert text == "" and bad.finish_reason == "error" and bad.error == "RuntimeError: cannot add bad"
+    assert good_text == "ok" and good.finish_reason == "stop"
+    assert later_text == "yes" and later.finish_reason == "stop"
+    assert any("add failed" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
+def test_a_failing_cancel_fails_that_request_and_the_engine_keeps_serving(caplog):
+    async def run():
+        backend = FailingBackend(bad_cancels={"bad"}, max_batch=2)
+        backend.gate.clear()
+        engine = Engine(backend, max_queue=4)
+        engine.start()
+        try:
+            bad, good = engine.submit(req("bad", "abc")), engine.submit(req("good", "ok"))
+            await until(lambda: engine.queue_depth() == 0)
+            engine.cancel("bad")
+            backend.gate.set()
+            return await collect(bad), await collect(good)
+        finally:
+            engine.stop()
+
+    with caplog.at_level(logging.ERROR, logger="poss.serve"):
+        (_, bad), (good_text, good) = asyncio.run(run())
+    assert bad.finish_reason == "error" and bad.error == "RuntimeError: cannot cancel bad"
+    assert good_text == "ok" and good.finish_reason == "stop"
+    assert any("cancel failed" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
+def test_an_unexpected_worker_failure_ends_open_requests_and_stops_the_engine():
+    class Broken(FakeBackend):
+        def has_work(self):
+            if self.running:
+                raise RuntimeError("lost track")
+            return super().has_work()
+
+    async def run():
+        engine = Engine(Broken(max_batch=1), max_queue=4)
+        engine.start()
+        try:
+            handles = [engine.submit(req("a", "abc")), engine.submit(req("b", "def"))]
+            results = await asyncio.gather(*(collect(h) for h in handles))
+            return results, engine.running, engine.open_requests()
+        finally:
+            engine.stop()
+
+    results, running, left = asyncio.run(run())
+    assert all(ev.finish_reason == "error" and "lost track" in ev.error for _, ev in results)
+    assert not running and left == 0
 
 
 @pytest.fixture

@@ -4,7 +4,9 @@ through a bounded waiting queue (in) and one event queue per request (out).
 The worker loop, between two backend steps: apply cancellations, move waiting requests into the
 backend while it has free slots, then ``step()`` and hand the events to the event loop
 (``call_soon_threadsafe``). Decoding never runs on the event loop, so ``/health`` and ``/metrics``
-answer while a batch decodes. Every backend method is called from the worker thread only.
+answer while a batch decodes. Every backend method is called from the worker thread only (and from
+:meth:`Engine.start` before the worker exists). A request the backend fails to add or cancel ends with
+an ``error`` event; an unexpected worker failure ends every open request and stops the engine.
 """
 
 import asyncio
@@ -55,6 +57,9 @@ class Engine:
         self._cond = threading.Condition()
         self._waiting: "OrderedDict[str, GenRequest]" = OrderedDict()  # guarded by _cond
         self._cancels: List[str] = []  # guarded by _cond
+        # The backend's free slots as the worker last saw them: submit cannot ask the backend, which may
+        # be inside step() on the worker thread.
+        self._free = 0  # guarded by _cond
         self._stopping = False
         self._admitted: set = set()  # ids inside the backend (worker thread only)
         self._handles: Dict[str, Handle] = {}  # event-loop thread only
@@ -66,6 +71,7 @@ class Engine:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stopping = False
+        self._free = self.backend.free_slots()  # the worker does not run yet: submit may come first
         self._thread = threading.Thread(target=self._work, name="poss-engine", daemon=True)
         self._thread.start()
 
@@ -76,8 +82,7 @@ class Engine:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
-        for rid in list(self._handles):
-            self._dispatch([Event(rid, finish_reason="error", error="the server is shutting down")])
+        self._fail_open("the server is shutting down")
 
     @property
     def running(self) -> bool:
@@ -85,12 +90,16 @@ class Engine:
 
     # -- requests (event-loop thread) ------------------------------------------------------------
     def submit(self, request: GenRequest) -> Handle:
-        """Queue a request; raises :class:`QueueFull` or :class:`EngineStopped`."""
+        """Queue a request; raises :class:`QueueFull` or :class:`EngineStopped`.
+
+        Up to ``max_queue`` requests may wait beyond the backend's free slots; those that fit a free
+        slot go in at the worker's next turn (after its current step).
+        """
         if not self.running:
             raise EngineStopped("the engine is not running")
         with self._cond:
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFull(f"the server queue is full ({self.max_queue} requests waiting)")
+            if len(self._waiting) - self._free >= self.max_queue:
+                raise QueueFull(f"the server queue is full ({self.max_queue} requests waiting beyond the batch)")
             handle = Handle(request)
             self._handles[request.id] = handle
             self._waiting[request.id] = request
@@ -122,6 +131,7 @@ class Engine:
         try:
             while True:
                 with self._cond:
+                    self._free = b.free_slots()  # the last step may have freed some
                     while not (self._stopping or self._cancels or (self._waiting and b.free_slots() > 0)
                                or b.has_work()):
                         self._cond.wait()
@@ -134,18 +144,27 @@ class Engine:
                             early.append(Event(rid, finish_reason="cancelled"))
                     while self._waiting and b.free_slots() > 0:
                         rid, req = self._waiting.popitem(last=False)
-                        b.add(req)
-                        self._admitted.add(rid)
+                        try:
+                            b.add(req)
+                        except Exception as exc:  # fail this request only: the others must not hang
+                            log.exception("backend add failed for request %s", rid)
+                            early.append(_failed(rid, exc))
+                        else:
+                            self._admitted.add(rid)
+                    self._free = b.free_slots()
                     self.metrics.queue_depth.set(len(self._waiting))
                 for rid in cancels:
                     if rid in self._admitted:
-                        b.cancel(rid)
+                        try:
+                            b.cancel(rid)
+                        except Exception as exc:  # its client is gone; an error event still closes the handle
+                            log.exception("backend cancel failed for request %s", rid)
+                            early.append(_failed(rid, exc))
                 try:
                     events = early + b.step()
                 except Exception as exc:  # a backend bug: fail what it holds, keep serving
                     log.exception("backend step failed")
-                    events = early + [Event(rid, finish_reason="error", error=f"{type(exc).__name__}: {exc}")
-                                      for rid in self._admitted]
+                    events = early + [_failed(rid, exc) for rid in self._admitted]
                     b.close()
                 for ev in events:
                     if ev.finished:
@@ -156,18 +175,30 @@ class Engine:
                     self.metrics.batch_size.observe(self._active)
                 if events:
                     self._deliver(events)
+        except Exception as exc:  # a bug outside add/cancel/step: never leave a request waiting forever
+            log.exception("the engine worker failed; stopping the engine")
+            with self._cond:
+                self._stopping = True  # submit refuses from now on, before the loop fails what is open
+            self._call_on_loop(self._fail_open, f"the engine failed ({type(exc).__name__}: {exc})")
         finally:
             b.close()
             self._active = 0
             self.metrics.active_batch.set(0)
 
     def _deliver(self, events: List[Event]) -> None:
+        self._call_on_loop(self._dispatch, events)
+
+    def _call_on_loop(self, fn, *args) -> None:
         try:
-            self._loop.call_soon_threadsafe(self._dispatch, events)
+            self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
 
     # -- back on the event loop ------------------------------------------------------------------
+    def _fail_open(self, error: str) -> None:
+        """End every open request with an ``error`` event carrying ``error``."""
+        self._dispatch([Event(rid, finish_reason="error", error=error) for rid in list(self._handles)])
+
     def _dispatch(self, events: List[Event]) -> None:
         m, now = self.metrics, time.perf_counter()
         for ev in events:
@@ -189,3 +220,8 @@ class Engine:
                         m.tau.observe(s.tau)
                         m.round_seconds.observe(s.seconds / s.rounds)
             h.queue.put_nowait(ev)
+
+
+def _failed(request_id: str, exc: BaseException) -> Event:
+    """The final event of a request the backend raised ``exc`` for."""
+    return Event(request_id, finish_reason="error", error=f"{type(exc).__name__}: {exc}")
