@@ -89,6 +89,34 @@ def test_prompt_longer_than_cache_is_a_clear_error():
                chain_parents([8], 8), lens)
 
 
+def test_an_fp16_runner_has_the_fingerprint_of_its_fp32_weights():
+    # A draft records the fingerprint of the fp32 / bf16 target; fp16 rounds some weights across a bf16
+    # rounding boundary, so taken from the fp16 copy it would refuse the draft.
+    model = tiny_model()
+    fp32 = TargetRunner(model, 1, 8).fingerprint()
+    assert TargetRunner(model, 1, 8, dtype=torch.bfloat16).fingerprint() == fp32
+    assert TargetRunner(model, 1, 8, dtype=torch.float16).fingerprint() == fp32
+    assert TargetRunner(tiny_model().half(), 1, 8).fingerprint() != fp32  # what it would be, taken after fp16
+
+
+@pytest.mark.parametrize("max_batch,max_seq", [(0, 8), (1, 0), (-1, 8)])
+def test_an_empty_cache_is_a_clear_error(max_batch, max_seq):
+    with pytest.raises(ValueError, match="max_batch and max_seq must be >= 1"):
+        TargetRunner(tiny_model(), max_batch, max_seq)
+
+
+def test_a_sliding_window_model_generates_only_within_its_window():
+    from poss.decode.generator import Generator
+
+    runner = TargetRunner(tiny_model("mistral", sliding_window=16, max_position_embeddings=256), 1, 16)
+    # The runner attends to the whole context, which is the model's own attention only inside the window.
+    assert Generator(runner).context_limit == 16 and Generator(runner, context_limit=12).context_limit == 12
+    with pytest.raises(ValueError, match="sliding window 16"):
+        Generator(runner, context_limit=64)
+    res = Generator(runner, end_ids=[]).generate([[5] * 10], 20)
+    assert res.stats[0].tokens == 6 and res.stats[0].finish_reason == "context"
+
+
 def test_unsupported_architecture_is_a_clear_error():
     from transformers import GPT2Config, GPT2LMHeadModel
 

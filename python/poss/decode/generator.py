@@ -19,6 +19,7 @@ from poss.decode.lookup import add_lookup
 from poss.decode.params import SamplingParams, TreeParams, batch_seed
 from poss.decode.stopping import Stopper, end_token_ids, safe_text
 from poss.decode.verify import commit, tree_verify, verify
+from poss.models.target import sliding_window
 
 Prompt = Union[str, List[dict], List[int]]
 
@@ -77,7 +78,7 @@ class Generator:
         tokenizer: an HF tokenizer, or None (prompts must then be token-id lists; texts are empty).
         draft: an attached :class:`PosSDraft`, or None for plain autoregressive generation.
         context_limit: longest sequence (prompt + generated); defaults to the model's
-            ``max_position_embeddings``.
+            ``max_position_embeddings`` (at most its sliding window, if it has one).
         end_ids: token ids that end a request; defaults to EOS + the template's end-of-turn token.
         target_path: the HF folder of the target (informational).
         datastore: a :class:`~poss.decode.datastore.Datastore` of the target's own text that supplies a
@@ -90,6 +91,14 @@ class Generator:
         self.datastore = datastore
         self.target_path = target_path
         self.context_limit = int(context_limit or getattr(runner.config, "max_position_embeddings", 4096))
+        window = sliding_window(runner.config)
+        if window is not None:
+            # The runner attends to the whole context: within the window that is the model's own
+            # attention, past it a silently different one.
+            if context_limit is not None and context_limit > window:
+                raise ValueError(f"context_limit={context_limit} exceeds the model's sliding window {window}, "
+                                 "which poss does not implement")
+            self.context_limit = min(self.context_limit, window)
         self.end_ids = set(end_token_ids(tokenizer, generation_config) if end_ids is None else end_ids)
         self.profile: Optional[Dict[str, List[float]]] = None  # phase -> seconds per round, when set
         # Keep every request's target features (prompt + answer) in the Result: on-policy draft

@@ -46,7 +46,8 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
 
     dtype = resolve_dtype(dtype, device)
     path = resolve(target)
-    tokenizer, model = load_model(path, dtype=dtype, device=device)
+    # An fp16 runner converts from fp32 weights, whose fingerprint matches the drafts' (TargetRunner).
+    tokenizer, model = load_model(path, dtype=torch.float32 if dtype == torch.float16 else dtype, device=device)
     # Small initial caches: the generator grows them to each call's batch and length.
     runner = TargetRunner(model, max_batch=1, max_seq=256, dtype=dtype)
     d = None

@@ -31,18 +31,43 @@ def check_architecture(config) -> None:
         )
 
 
+def sliding_window(config) -> Optional[int]:
+    """The model's attention window in tokens, or None when it attends to the whole context."""
+    window = getattr(config, "sliding_window", None)
+    return window if window is not None and getattr(config, "use_sliding_window", True) else None
+
+
 def weight_fingerprint(named_tensors) -> str:
     """A short hash of a model's weights: names, shapes and a strided sample of each tensor.
 
-    Samples are rounded to bf16 first, so the same target loaded in fp32 or bf16 matches.
+    Samples are rounded to bf16 first, so the same target loaded in fp32 or bf16 matches (fp16 does
+    not: its own rounding moves some weights across a bf16 rounding boundary; see
+    :func:`model_fingerprint`). ``named_tensors`` may be a generator: each tensor is dropped once sampled.
     """
-    h = hashlib.sha256()
-    for name, t in sorted(named_tensors, key=lambda kv: kv[0]):
+    def sampled(name, t):
         flat = t.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // 4096)].to("cpu", torch.bfloat16).view(torch.int16)
-        h.update(f"{name}:{tuple(t.shape)}".encode())
+        return name, tuple(t.shape), flat[:: max(1, flat.numel() // 4096)].to("cpu", torch.bfloat16).view(torch.int16)
+
+    h = hashlib.sha256()
+    for name, shape, sample in sorted((sampled(n, t) for n, t in named_tensors), key=lambda s: s[0]):
+        h.update(f"{name}:{shape}".encode())
         h.update(sample.numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def runner_weights(layers, embed: Tensor, lm_head: Tensor, final_norm_w: Tensor):
+    """``(name, tensor)`` of every weight in the runner's fused layout: what the fingerprint hashes.
+    ``layers`` may be a generator of :class:`LayerParams`."""
+    yield from (("embed", embed), ("lm_head", lm_head), ("norm", final_norm_w))
+    for i, p in enumerate(layers):
+        yield from ((f"{i}.{k}", v) for k, v in vars(p).items() if v is not None)
+
+
+def model_fingerprint(hf_model) -> str:
+    """:meth:`TargetRunner.fingerprint` of ``hf_model`` in its own dtype, one fused layer at a time."""
+    m, dtype = hf_model.model, next(hf_model.parameters()).dtype
+    return weight_fingerprint(runner_weights((layer_params(l, dtype) for l in m.layers), m.embed_tokens.weight,
+                                             hf_model.lm_head.weight, m.norm.weight))
 
 
 @dataclass
@@ -89,8 +114,10 @@ class TargetRunner:
         check_architecture(cfg)
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"only SiLU-gated MLPs are supported, got hidden_act={cfg.hidden_act!r}")
-        window = getattr(cfg, "sliding_window", None)
-        if window is not None and getattr(cfg, "use_sliding_window", True) and max_seq > window:
+        if max_batch < 1 or max_seq < 1:
+            raise ValueError(f"max_batch and max_seq must be >= 1, got {max_batch} and {max_seq}")
+        window = sliding_window(cfg)
+        if window is not None and max_seq > window:
             raise ValueError(f"max_seq={max_seq} exceeds the model's sliding window {window}, "
                              "which this runner does not implement")
         rotary = hf_model.model.rotary_emb
@@ -112,6 +139,9 @@ class TargetRunner:
         if huge_pages and self.device.type == "cpu":
             self._move_weights_to_huge_pages()
         self._fingerprint: Optional[str] = None
+        if self.dtype == torch.float16 and next(hf_model.parameters()).dtype != torch.float16:
+            # Taken before fp16's rounding, so a draft trained on the fp32 / bf16 target attaches.
+            self._fingerprint = model_fingerprint(hf_model)
         self.cache = StaticKVCache(len(self.layers), max_batch, self.num_kv_heads, max_seq,
                                    self.head_dim, self.dtype, self.device)
 
@@ -135,10 +165,8 @@ class TargetRunner:
     def fingerprint(self) -> str:
         """Hash of the target's weights; a draft records it and refuses any other target."""
         if self._fingerprint is None:
-            named = [("embed", self.embed), ("lm_head", self.lm_head), ("norm", self.final_norm_w)]
-            for i, p in enumerate(self.layers):
-                named += [(f"{i}.{k}", v) for k, v in vars(p).items() if v is not None]
-            self._fingerprint = weight_fingerprint(named)
+            self._fingerprint = weight_fingerprint(runner_weights(self.layers, self.embed, self.lm_head,
+                                                                  self.final_norm_w))
         return self._fingerprint
 
     @torch.no_grad()
