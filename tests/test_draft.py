@@ -82,6 +82,43 @@ def test_specialist_mapping():
         c.specialist_for(0)
 
 
+@pytest.mark.parametrize("edit,match", [
+    (lambda c: "", "not valid JSON"), (lambda c: "[1, 2]", "JSON object"),
+    (lambda c: {**c, "foo": 1}, r"unknown keys \['foo'\]"),
+    (lambda c: {k: v for k, v in c.items() if k != "ffn"}, r"missing keys \['ffn'\]"),
+    (lambda c: {**c, "kv_heads": 0}, "kv_heads must be an integer >= 1"),
+    (lambda c: {**c, "hidden": "576"}, "hidden must be an integer"),
+])
+def test_a_malformed_config_is_a_clear_error_naming_the_file(runner, tmp_path, edit, match):
+    import json
+
+    make_draft(runner).save(tmp_path)
+    got = edit(json.loads((tmp_path / "config.json").read_text()))
+    (tmp_path / "config.json").write_text(got if isinstance(got, str) else json.dumps(got))
+    with pytest.raises(ValueError, match=match) as e:
+        PosSDraft.load(tmp_path)
+    assert str(tmp_path / "config.json") in str(e.value)
+
+
+def test_a_save_killed_midway_leaves_the_previous_draft_whole(runner, tmp_path, monkeypatch):
+    import poss.models.draft as draft_mod
+
+    first = make_draft(runner)
+    first.save(tmp_path)
+
+    def killed(tensors, path):
+        open(path, "wb").write(b"half a file")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(draft_mod, "save_file", killed)
+    with pytest.raises(KeyboardInterrupt):
+        make_draft(runner, seed=5).save(tmp_path)
+    back = PosSDraft.load(tmp_path)
+    for (n, a), (_, b) in zip(first.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), n
+    assert {p.name for p in tmp_path.iterdir()} == {"config.json", "model.safetensors"}
+
+
 def test_save_load_roundtrip_and_wrong_target(runner, tmp_path):
     draft = make_draft(runner, fc_bias=False)
     draft.save(tmp_path)

@@ -6,6 +6,7 @@ are the target's (shared, never copied or saved). Switching specialists passes a
 the same fused ``poss::specialist_forward`` op.
 """
 
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Dict, Optional
@@ -145,11 +146,21 @@ class PosSDraft(nn.Module):
 
     # -- persistence -----------------------------------------------------------------------------
     def save(self, directory) -> None:
+        """Write ``config.json`` and ``model.safetensors`` into ``directory`` (other files there are kept).
+
+        Each is written under a temporary name and renamed, so a kill mid-save (training rewrites
+        ``OUT/best`` at every better epoch) never leaves a truncated file in place."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        self.config.save(d / "config.json")
-        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()},
-                  str(d / "model.safetensors"))
+        cfg, weights = d / f"config.json.{os.getpid()}.tmp", d / f"model.safetensors.{os.getpid()}.tmp"
+        try:
+            self.config.save(cfg)
+            save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(weights))
+            os.replace(weights, d / "model.safetensors")
+            os.replace(cfg, d / "config.json")
+        finally:
+            cfg.unlink(missing_ok=True)
+            weights.unlink(missing_ok=True)
 
     @classmethod
     def load(cls, directory, dtype: torch.dtype = torch.float32, device="cpu", vocab: str = "trained") -> "PosSDraft":

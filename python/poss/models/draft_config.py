@@ -1,7 +1,7 @@
 """The PosS draft's configuration: its shape, the specialist schedule and the target it was made for."""
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Dict
 
@@ -33,6 +33,11 @@ class DraftConfig:
     training: Dict = field(default_factory=dict)  # recipe + data fingerprint, written by poss.train
 
     def __post_init__(self):
+        for name in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab", "n_specialists",
+                     "positions_per_specialist", "draft_vocab"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (name != "draft_vocab"):
+                raise ValueError(f"{name} must be an integer >= {int(name != 'draft_vocab')}, got {v!r}")
         if self.n_specialists < 1 or self.positions_per_specialist < 1:
             raise ValueError("n_specialists and positions_per_specialist must be >= 1")
         if self.heads % self.kv_heads:
@@ -51,10 +56,26 @@ class DraftConfig:
 
     @classmethod
     def load(cls, path: Path) -> "DraftConfig":
-        data = json.loads(Path(path).read_text())
+        """The config in ``path``; ``ValueError`` naming the file and the field when it is malformed."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
         if "ppl" in data:  # the key's older name
             data.setdefault("positions_per_specialist", data.pop("ppl"))
-        return cls(**data)
+        known = {f.name for f in fields(cls)}
+        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+        unknown, missing = sorted(set(data) - known), sorted(required - set(data))
+        if unknown or missing:
+            raise ValueError(f"{path}: " + "; ".join(
+                [f"unknown keys {unknown}"] * bool(unknown) + [f"missing keys {missing}"] * bool(missing)))
+        try:
+            return cls(**data)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
     def check_target(self, fingerprint: str, what: str = "this draft") -> None:
         """Raise ``ValueError`` unless the target weights ``fingerprint`` are those this draft was made for.
