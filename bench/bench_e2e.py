@@ -478,10 +478,9 @@ def test_rows_tiny(benchmark, tiny, bench_threads, tmp_path, monkeypatch):
 
 def test_llama_cpp_rows_when_available(bench_threads):
     pytest.importorskip("llama_cpp")
-    from poss.models.downloads import cache_root
-    from poss.models.registry import REGISTRY
+    from poss.models.registry import gguf_path
 
-    gguf = cache_root() / "gguf" / REGISTRY["smollm2-135m"].filename
+    gguf = gguf_path("smollm2-135m")
     if not gguf.exists():
         pytest.skip("the SmolLM2 GGUF is not in the cache (no download in the smoke run)")
     rows = llama_cpp_rows(gguf, [[1, 2, 3, 4, 5, 6]], 8, 1)

