@@ -75,11 +75,11 @@ def check_resumable(done: Dict[tuple, dict], settings: Dict, drafts: Dict[str, O
         if have is not None and have != settings:
             diff = ", ".join(f"{k} {have.get(k)!r} (now {v!r})" for k, v in settings.items() if have.get(k) != v)
             raise ResumeConflict(f"{path} holds records made with other settings: {diff}; "
-                             f"use a new --out or the same settings")
+                                 f"use a new --out or the same settings")
         sha = drafts.get(name)
         if sha is not None and r.get("draft_sha256") not in (None, sha):
             raise ResumeConflict(f"{path} holds answers of another draft named {name!r} ({r.get('draft')}); "
-                             f"use a new --out")
+                                 f"use a new --out")
 
 
 class HFMethod:
