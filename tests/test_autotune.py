@@ -288,6 +288,13 @@ def test_cache_key_names_machine_dtype_and_models(target):
     kr, kf = autotune.cache_key(reduced), autotune.cache_key(full)
     assert kr["draft"] == kf["draft"] and (kr["draft_vocab"], kf["draft_vocab"]) == (40, 0)
     assert autotune.cache_path(kr) != autotune.cache_path(kf)
+    # and compiling the steps: an eager calibration does not size the tree of a compiled generator
+    from poss.decode.loader import compile_steps
+
+    compiled = compile_steps(make_generator(target, draft=True, dtype=torch.bfloat16))
+    kc = autotune.cache_key(compiled)
+    assert (k["compiled"], kc["compiled"]) == (False, True)
+    assert autotune.cache_path(kc) != autotune.cache_path(k)
 
 
 def test_auto_default_tree_is_resolved_once_and_overridable(target, monkeypatch):

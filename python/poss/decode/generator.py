@@ -110,6 +110,9 @@ class Generator:
         self._auto_trees: Dict[tuple, TreeParams] = {}
         self.speculate_max_batch = None
         self._limits: Dict[tuple, Optional[int]] = {}
+        # Set by poss.decode.loader.compile_steps: compiled steps cost differently, so autotune keeps
+        # their timings apart from eager ones.
+        self.compiled = False
 
     @property
     def speculate_max_batch(self) -> Union[int, str, None]:

@@ -120,4 +120,5 @@ def compile_steps(gen: Generator) -> Generator:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                    4 * gen.draft.config.n_specialists + 8)
         gen.draft.step = torch.compile(gen.draft.step, dynamic=None, mode=mode)
+    gen.compiled = True
     return gen
