@@ -44,8 +44,9 @@ runs cannot tell close trees apart. On the last 9 MT-Bench prompts the shipped P
 4/1 and 1.56 at 4/2 over 64 tokens, 1.62 and 1.78 over 256; over 64 tokens `auto` picked 4/1, which the
 benchmark's 16 prompts x 256 tokens then ran 5 % slower than 4/2. All of it is cached as JSON under
 ``<poss cache>/autotune/`` keyed by CPU model, threads, dtype, target and draft fingerprints and
-whether the steps are compiled. Sizes 2, 6 and 12 are there because a CPU's cost is not linear in T: the AVX2 GEMM takes up to 6 rows in one pass over the weights, so a 6-node forward
-cost 1.2x a 4-node one and a 7-node one 1.7x (bf16, 2 threads); the AVX512-BF16 one takes up to 12.
+whether the steps are compiled. Sizes 2, 6 and 12 are there because a CPU's cost is not linear in T:
+the AVX2 GEMM takes up to 6 rows in one pass over the weights, so a 6-node forward cost 1.2x a 4-node
+one and a 7-node one 1.7x (bf16, 2 threads); the AVX512-BF16 one takes up to 12.
 
 Drafting costs ``first + (d - 1) * level(K) + catch_up(d)``: the first level (one row, whatever the
 tree), each further level over a beam of ``K = min(beam_width, T - 1)`` nodes (:mod:`draft_tree`
