@@ -7,7 +7,8 @@ Every input folder holds ``records.jsonl`` and the ``results.json`` its run wrot
 machine must agree, and so must the settings each record carries (a folder's ``results.json`` only
 describes its last invocation). ``--questions A:B`` keeps the questions at positions ``A .. B-1`` of each packaged
 set (0-based, in the set's order), for a table over a subset, e.g. the questions one run timed.
-The output folder gets the merged ``records.jsonl``, the drafts' ``draft-*.json`` and the report
+A question answered in more than one input is taken from the last one (as a resumed ``poss eval``
+reads its folder). The output folder gets the merged ``records.jsonl``, the drafts' ``draft-*.json`` and the report
 (``results.json``, ``table.md``, plots) of ``poss.eval.report.write``.
 """
 
@@ -36,12 +37,11 @@ def merge(inputs, out: Path, questions=None) -> dict:
         if any(r[key] != runs[0][key] for r in runs[1:]):
             sys.exit(f"eval_merge: the inputs' {key} differ: {[r[key] for r in runs]}")
     out.mkdir(parents=True, exist_ok=True)
-    positions, seen, kept, settings = {}, set(), [], {}
+    # One record per (method, dataset, question): the last one read wins, as when `poss eval` resumes
+    # a folder (poss.eval.run.read_done), so a question answered again in a later input replaces it.
+    positions, kept, origin = {}, {}, {}
     for d in inputs:
         for r in read_jsonl(Path(d) / "records.jsonl"):
-            key = (r["method"], r["dataset"], r["question_id"])
-            if key in seen:
-                continue
             if questions is not None:
                 pos = positions.setdefault(r["dataset"], question_positions(r["dataset"]))
                 if pos is not None and r["question_id"] not in pos:
@@ -49,19 +49,20 @@ def merge(inputs, out: Path, questions=None) -> dict:
                              f"{r['dataset']} set does not hold")
                 if pos is None or not questions[0] <= pos[r["question_id"]] < questions[1]:
                     continue
-            if r.get("settings") is not None:  # records written before settings were stored carry none
-                settings.setdefault(json.dumps(r["settings"], sort_keys=True), d)
-            seen.add(key)
-            kept.append(json.dumps(r))
+            key = (r["method"], r["dataset"], r["question_id"])
+            kept.pop(key, None)  # the replacement goes to the end, where it was read
+            kept[key], origin[key] = r, d
+    settings = {}
+    for key, r in kept.items():
+        if r.get("settings") is not None:  # records written before settings were stored carry none
+            settings.setdefault(json.dumps(r["settings"], sort_keys=True), origin[key])
     if len(settings) > 1:
         sys.exit(f"eval_merge: the records' settings differ (first seen in {', '.join(map(str, settings.values()))}): "
                  f"{list(settings)}")
     for d in inputs:
         for p in Path(d).glob("draft-*.json"):
             shutil.copy(p, out / p.name)
-        for p in Path(d).glob("draft-*.json"):
-            shutil.copy(p, out / p.name)
-    (out / "records.jsonl").write_text("\n".join(kept) + "\n")
+    (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept.values()))
     s, m = runs[0]["settings"], runs[0]["machine"]
     return write(out, s["depth"], s, m["threads"], m["dtype"])
 

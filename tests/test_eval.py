@@ -235,6 +235,19 @@ def test_merge_two_runs_and_a_question_range(tiny_folder, tmp_path):
     shutil.copy(tmp_path / "a" / "results.json", tmp_path / "c" / "results.json")
     with pytest.raises(SystemExit, match="records' settings differ"):
         em.merge([tmp_path / "a", tmp_path / "c"], tmp_path / "bad")
+    # a question answered in two inputs comes from the last, as `poss eval` resuming a folder reads it
+    first = json.loads((tmp_path / "a" / "records.jsonl").read_text().splitlines()[0])
+    again = tmp_path / "a2"
+    again.mkdir()
+    shutil.copy(tmp_path / "a" / "results.json", again / "results.json")
+    redone = {**first, "answered_again": True}
+    (again / "records.jsonl").write_text(json.dumps(redone) + "\n")
+    em.merge([tmp_path / "a", again], tmp_path / "redo")
+    merged = [json.loads(line) for line in (tmp_path / "redo" / "records.jsonl").read_text().splitlines()]
+    same_q = [r for r in merged if (r["method"], r["dataset"], r["question_id"])
+              == (first["method"], first["dataset"], first["question_id"])]
+    assert [r.get("answered_again") for r in same_q] == [True]
+    assert len(merged) == len((tmp_path / "a" / "records.jsonl").read_text().splitlines())
     # a question id the packaged set does not hold is named, not a KeyError
     with open(tmp_path / "b" / "records.jsonl", "a") as f:
         f.write(json.dumps({"method": "ar", "dataset": "qa", "question_id": "nope", "turns": []}) + "\n")
