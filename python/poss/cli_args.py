@@ -96,9 +96,11 @@ def tree_spec(text: str):
     return TreeParams(num_nodes=nodes, depth=depth, lookup=int(k) if plus else 0)
 
 
-LOOKUP_HELP = ("prompt lookup: merge up to this many tokens, copied from the context after the latest earlier "
-               "match of its last 1-3 tokens, into every round's tree (0: off; auto: timed with the tree when the "
-               "tree is auto, else 0; output unchanged, only speed)")
+_LOOKUP = ("prompt lookup: merge up to this many tokens, copied from the context after the latest earlier match of "
+           "its last 1-3 tokens, into every round's tree")
+LOOKUP_HELP = _LOOKUP + (" (0: off; auto: timed with the tree when the tree is auto, else 0; output unchanged, "
+                         "only speed)")
+LOOKUP_HELP_FIXED = _LOOKUP + " (0: off; output unchanged, only speed)"  # where the tree is fixed: no auto
 
 
 def float_in(low: float, high: float = math.inf, low_open: bool = False, high_open: bool = False):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from poss.cli_args import (
     DRAFT_VOCAB_HELP,
-    LOOKUP_HELP,
+    LOOKUP_HELP_FIXED,
     Formatter,
     UsageError,
     check_draft,
@@ -37,7 +37,8 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int_at_least(1), default=6, help="draft positions below the root")
     p.add_argument("--beam-width", type=int_at_least(1), default=10,
                    help="draft candidates kept per tree level (EAGLE's top-k)")
-    p.add_argument("--lookup", type=int_at_least(0), default=0, help=LOOKUP_HELP)
+    # The paper's comparison runs fixed trees, so a fixed chain length too: no "auto" here.
+    p.add_argument("--lookup", type=int_at_least(0), default=0, help=LOOKUP_HELP_FIXED)
     p.add_argument("--draft-vocab", choices=DRAFT_VOCABS, default="trained",
                    help=DRAFT_VOCAB_HELP + "; with full, each method is named DRAFT+full-vocab")
     p.add_argument("--temperature", type=float_in(0), default=0.0, help="0: greedy; 1: the sampling setting")
