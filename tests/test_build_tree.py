@@ -263,6 +263,20 @@ def test_ties_keep_the_parent(device):
 
 
 @pytest.mark.parametrize("device", devices())
+def test_signed_zero_scores_are_one_score(device):
+    # -0.0 and +0.0 tie: the lower index wins, as in the reference, and a child scored +0 never
+    # ranks ahead of its parent scored -0 (which would leave the child's parent unkept).
+    tokens, roots = torch.tensor([[10, 11]]), torch.tensor([5])
+    for parents in ([[-1, -1]], [[-1, 0]]):
+        parents = torch.tensor(parents, dtype=torch.int32)
+        scores = torch.tensor([[-0.0, 0.0]])
+        got = run_build(device, tokens, scores, parents, roots, 2)
+        want = reference.build_tree(tokens, scores, parents, roots, 2)
+        assert [t.tolist() for t in got] == [t.tolist() for t in want]
+        assert got[0].tolist() == [[5, 10]] and got[1].tolist() == [[-1, 0]]
+
+
+@pytest.mark.parametrize("device", devices())
 def test_ragged_requests_are_padded(device):
     # Request 0: 5 candidates; request 1: 2 (the rest empty); request 2: none.
     tokens = torch.arange(15).view(3, 5) + 100

@@ -79,6 +79,9 @@ __global__ void rope_qkv_kernel(const scalar_t* __restrict__ qkv, const int64_t*
   const int64_t bt = blockIdx.x, b = bt / T, t = bt % T, half = D / 2;
   const int64_t slot = static_cast<int64_t>(start[b]) + t;
   CUDA_KERNEL_ASSERT(slot >= 0 && slot < S && "start[b] + T must lie within the cache");
+  // With device asserts compiled out, an out-of-range slot must not write into another head's or
+  // request's cache rows (the host does not check: decoder_layer skips its host scan on CUDA).
+  if (slot < 0 || slot >= S) return;
   const scalar_t* row = qkv + bt * (Hq + 2 * Hkv) * D;
   const int64_t p = pos[bt];
   for (int64_t j = threadIdx.x; j < (Hq + Hkv) * half; j += blockDim.x) {

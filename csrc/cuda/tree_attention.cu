@@ -116,8 +116,8 @@ tree_attention_kernel(const scalar_t* __restrict__ q, const scalar_t* __restrict
   __shared__ float k_s[T][D + 1];  // +1: lane-per-key reads are conflict-free
   __shared__ float v_s[T][D];
 
-  const int tile = blockIdx.x, split = blockIdx.y;
-  const int64_t bh = blockIdx.z, b = bh / p.Hkv, h = bh % p.Hkv;
+  const int tile = blockIdx.z, split = blockIdx.y;
+  const int64_t bh = blockIdx.x, b = bh / p.Hkv, h = bh % p.Hkv;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int2 inf = info[b];
   const bool chain = inf.y != 0;
@@ -314,7 +314,9 @@ void launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     ws_out = at::empty({groups * splits * p.rows * D}, q.options().dtype(at::kFloat));
     ws_state = at::empty({groups * splits * p.rows * 2}, q.options().dtype(at::kFloat));
   }
-  const dim3 grid(static_cast<unsigned>(tiles), splits, static_cast<unsigned>(groups));
+  // (B * Hkv) groups on x, whose limit is 2^31 - 1: y and z stop at 65,535 (2,048 requests of a
+  // 32-KV-head model). Row tiles on z reach 65,535 only past 524k query rows; splits <= 65.
+  const dim3 grid(static_cast<unsigned>(groups), splits, static_cast<unsigned>(tiles));
   tree_attention_kernel<scalar_t, D, R, T><<<grid, kThreads, 0, stream>>>(
       q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
       prefix_len.data_ptr<int32_t>(), reinterpret_cast<const int2*>(info.data_ptr<int32_t>()),

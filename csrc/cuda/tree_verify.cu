@@ -173,11 +173,13 @@ struct CudaSamplingRow {
     return ops.sum(part);
   }
 
-  __device__ double weight(int64_t token) const { return w[token]; }
+  // Only thread 0 validates the tree (a device assert), and the others do not wait for it: a token
+  // outside the vocabulary weighs nothing here instead of reading another request's row.
+  __device__ double weight(int64_t token) const { return token >= 0 && token < V ? w[token] : 0.0; }
 
   __device__ void remove(int64_t token) {
     __syncthreads();
-    if (threadIdx.x == 0) w[token] = 0.0f;
+    if (threadIdx.x == 0 && token >= 0 && token < V) w[token] = 0.0f;
     __syncthreads();
   }
 
@@ -205,6 +207,9 @@ struct CudaSamplingRow {
         cum += w[i];
         if (w[i] > 0.0f && cum > target) found = i;
       }
+      // The chunk's own running sum can round below offset + part: the target is still in this
+      // chunk, so its last token with mass, not the vocabulary's.
+      if (found < 0) found = last_positive;
     }
     found = ops.max_index(found);
     // Rounding can leave the target past the last element: take the last token with mass.
@@ -235,22 +240,23 @@ __global__ void __launch_bounds__(kThreads)
   }
   const WalkOutput out{accept_nodes + b * N, accept_len + b, next_token + b, threadIdx.x == 0};
   const scalar_t* rows = logits + b * N * V;
-  const float temp = temperature ? temperature[b] : 0.0f;
-  if (is_greedy(temp)) {
-    CudaGreedyRow<scalar_t> row{rows, V, ops};
-    greedy_walk(tree, row, out);
-    return;
-  }
-  const SamplingParams sp{temp, top_k ? top_k[b] : 0, top_p ? top_p[b] : 1.0f,
-                          min_p ? min_p[b] : 0.0f};
-  CUDA_KERNEL_ASSERT(isfinite(sp.temperature) && sp.top_k >= 0 && sp.top_p > 0.0f &&
-                     sp.top_p <= 1.0f && sp.min_p >= 0.0f && sp.min_p <= 1.0f &&
+  const SamplingParams sp{temperature ? temperature[b] : 0.0f, top_k ? top_k[b] : 0,
+                          top_p ? top_p[b] : 1.0f, min_p ? min_p[b] : 0.0f};
+  // Every row's parameters and uniforms, greedy rows included, as the CPU kernel checks them: a NaN
+  // or negative temperature is an error, not a greedy row.
+  CUDA_KERNEL_ASSERT(isfinite(sp.temperature) && sp.temperature >= 0.0f && sp.top_k >= 0 &&
+                     sp.top_p > 0.0f && sp.top_p <= 1.0f && sp.min_p >= 0.0f && sp.min_p <= 1.0f &&
                      "tree_verify: temperature/top_k/top_p/min_p out of range");
-  const float* u = uniforms + b * (N + 1);
-  if (threadIdx.x == 0) {
+  const float* u = uniforms ? uniforms + b * (N + 1) : nullptr;
+  if (u && threadIdx.x == 0) {
     for (int32_t i = 0; i <= N; ++i) {
       CUDA_KERNEL_ASSERT(u[i] >= 0.0f && u[i] < 1.0f && "tree_verify: uniforms must be in [0, 1)");
     }
+  }
+  if (is_greedy(sp.temperature)) {
+    CudaGreedyRow<scalar_t> row{rows, V, ops};
+    greedy_walk(tree, row, out);
+    return;
   }
   CudaSamplingRow<scalar_t> row{rows, V, workspace + b * V, ops};
   sampling_walk(tree, row, u, sp, out);

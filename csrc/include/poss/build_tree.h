@@ -94,8 +94,11 @@ POSS_HD PathInfo walk_path(CandidateView c, int32_t i) {
 }
 
 // The rank key: a larger key ranks first. Unique per slot, so the order is total and the kept set
-// does not depend on how a sort or a selection breaks ties.
+// does not depend on how a sort or a selection breaks ties. -0 and +0 are one score: ordered_key
+// tells them apart, and the CUDA kernel's bottom-up minimum can keep the other zero than the CPU's
+// top-down one, which would rank a child scored +0 ahead of its parent scored -0.
 POSS_HD uint64_t selection_key(float path_min, int32_t i) {
+  if (path_min == 0.0f) path_min = 0.0f;
   return (static_cast<uint64_t>(ordered_key(path_min)) << 32) |
          static_cast<uint64_t>(0xffffffffu - static_cast<uint32_t>(i));
 }
