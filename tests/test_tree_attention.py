@@ -348,3 +348,17 @@ def test_exact_path_bits_do_not_depend_on_the_lane_width(tmp_path):
     env = {**os.environ, "POSS_ATTENTION_LANES": "8"}
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert run.returncode == 0, f"cases whose bits differ at 8 lanes: {run.stdout} {run.stderr[-2000:]}"
+
+
+@pytest.mark.cuda
+def test_more_query_groups_than_a_grid_y_or_z_dimension_holds():
+    # B * Hkv = 65,540 groups: more than CUDA's grid y / z limit (65,535), so the kernel puts them on x.
+    gen = torch.Generator().manual_seed(3)
+    B, N = 32770, 3
+    parents = torch.tensor([[-1, 0, 0]], dtype=torch.int32).expand(B, N).contiguous()
+    prefix_len = torch.randint(0, 5, (B,), generator=gen, dtype=torch.int32)
+    q, k, v = make_inputs(gen, B, 2, 2, N, 64, 8, torch.bfloat16, "cpu")
+    want = torch.ops.poss.tree_attention(q, k, v, prefix_len, parents, 0.125)
+    got = torch.ops.poss.tree_attention(q.cuda(), k.cuda(), v.cuda(), prefix_len.cuda(), parents.cuda(), 0.125)
+    atol, rtol = TOL[torch.bfloat16]
+    torch.testing.assert_close(got.cpu().float(), want.float(), atol=atol, rtol=rtol)

@@ -189,3 +189,36 @@ def test_compiles_with_torch_compile():
     parents, tokens, logits = make_case(rng, 2, 6, 17, "random")
     fn = torch.compile(lambda p, t, lg: poss_ext.tree_verify(p, t, lg), fullgraph=True, backend="eager")
     assert_same(fn(parents, tokens, logits), reference.tree_verify(parents, tokens, logits))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("temperature", ["float('nan')", "-1.0"])
+def test_cuda_rejects_a_bad_temperature_as_the_cpu_does(temperature, tmp_path):
+    # A device assert ends the CUDA context, so the call runs in a process of its own. Before the
+    # check moved in front of the greedy branch, a NaN or negative temperature decoded greedily.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = f"""
+import torch, poss_ext
+parents = torch.tensor([[-1, 0]], dtype=torch.int32)
+tokens = torch.tensor([[0, 1]])
+logits = torch.randn(1, 2, 8)
+t = torch.tensor([{temperature}])
+for device in ("cpu", "cuda"):
+    try:
+        out = torch.ops.poss.tree_verify(parents.to(device), tokens.to(device), logits.to(device), t.to(device),
+                                         None, None, torch.rand(1, 3).to(device), None)
+        torch.cuda.synchronize()
+    except RuntimeError as e:
+        print(device, "refused:", str(e).splitlines()[0][:200], flush=True)
+        continue
+    print(device, "accepted", flush=True)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=root, env={**__import__("os").environ, "PYTHONPATH": f"{root}:{root / 'python'}"})
+    lines = r.stdout.splitlines()
+    assert lines and lines[0].startswith("cpu refused: temperature[0]"), r.stdout + r.stderr
+    assert not any(line.startswith("cuda accepted") for line in lines), r.stdout + r.stderr
