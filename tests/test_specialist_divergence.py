@@ -45,3 +45,27 @@ def test_a_file_without_layers_is_named(sd, tmp_path):
     empty = write_draft(tmp_path / "empty", [])
     with pytest.raises(SystemExit, match="no layers"):
         sd.divergence(empty, [])
+
+
+def test_uniform_specialist_copies_one_specialist_everywhere(tmp_path):
+    from poss.models.draft import DraftConfig, PosSDraft
+
+    us = load_script("uniform_specialist")
+    cfg = DraftConfig(hidden=8, heads=2, kv_heads=1, head_dim=4, ffn=16, vocab=10, n_specialists=3,
+                      positions_per_specialist=2)
+    torch.manual_seed(0)
+    d = PosSDraft(cfg)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.copy_(torch.randn_like(p))
+    d.save(tmp_path / "src")
+    us.uniform(tmp_path / "src", tmp_path / "all2", 2)
+    src, out = PosSDraft.load(tmp_path / "src"), PosSDraft.load(tmp_path / "all2")
+    assert out.config == src.config
+    half = lambda t: t.half().float()  # noqa: E731  (the copy is written in fp16)
+    for layer in out.layers:
+        for p, q in zip(layer.parameters(), src.layers[2].parameters()):
+            assert torch.equal(p, half(q))
+    assert torch.equal(out.fc.weight, half(src.fc.weight))
+    with pytest.raises(SystemExit, match="--specialist must be in"):
+        us.uniform(tmp_path / "src", tmp_path / "bad", 3)
