@@ -196,11 +196,13 @@ def test_compiles_with_torch_compile():
 def test_cuda_rejects_a_bad_temperature_as_the_cpu_does(temperature, tmp_path):
     # A device assert ends the CUDA context, so the call runs in a process of its own. Before the
     # check moved in front of the greedy branch, a NaN or negative temperature decoded greedily.
+    import os
     import subprocess
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    # The child imports the same poss_ext as this process (in place or installed), from a neutral cwd.
+    env = {**os.environ, "PYTHONPATH": str(Path(poss_ext.__file__).resolve().parents[1])}
     code = f"""
 import torch, poss_ext
 parents = torch.tensor([[-1, 0]], dtype=torch.int32)
@@ -217,8 +219,7 @@ for device in ("cpu", "cuda"):
         continue
     print(device, "accepted", flush=True)
 """
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       cwd=root, env={**__import__("os").environ, "PYTHONPATH": f"{root}:{root / 'python'}"})
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
     lines = r.stdout.splitlines()
     assert lines and lines[0].startswith("cpu refused: temperature[0]"), r.stdout + r.stderr
     assert not any(line.startswith("cuda accepted") for line in lines), r.stdout + r.stderr
