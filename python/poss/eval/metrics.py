@@ -44,6 +44,23 @@ def pos_acc(hist: Sequence[int], depth: int) -> List[float]:
     return out
 
 
+def tau_from_pos_acc(acc: Sequence[float]) -> float:
+    """The tau that per-depth acceptance rates imply: ``1 + sum_n prod_{i <= n} acc[i - 1]``.
+
+    A round accepts at least ``n`` draft tokens with probability ``prod_{i <= n} pos-acc(i)``, and
+    tau is 1 plus the sum of those probabilities, so for one histogram ``tau_from_pos_acc(pos_acc(h,
+    depth))`` is ``tau_of(h)`` (pooled over its rounds) when no round accepts more than ``depth``. A NaN
+    rate (no round reached that depth) ends the sum: nothing gets past it. This is how a change of
+    pos-acc at some depths translates into tau (``scripts/tau_what_if.py``)."""
+    total, reach = 1.0, 1.0
+    for a in acc:
+        if a != a:  # NaN
+            break
+        reach *= a
+        total += reach
+    return total
+
+
 def speedup(tokens: int, seconds: float, base_tokens: int, base_seconds: float) -> float:
     """Throughput ratio ``(tokens / seconds) / (base_tokens / base_seconds)``."""
     if seconds <= 0 or base_tokens <= 0 or base_seconds <= 0:
