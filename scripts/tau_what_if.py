@@ -50,7 +50,7 @@ def question_rates(records: Sequence[dict], method: str, depth: int) -> List[Lis
     return [[p if p == p else pooled[n] for n, p in enumerate(pos_acc(h, depth))] for h in hists if sum(h)]
 
 
-def mean_tau(rates: Sequence[Sequence[float]], raise_at: Sequence[int] = (), by: float = 0.0) -> float:
+def tau_raised(rates: Sequence[Sequence[float]], raise_at: Sequence[int] = (), by: float = 0.0) -> float:
     """tau over questions with ``by`` added to pos-acc at the 1-based depths ``raise_at`` (capped at 1)."""
     def raised(r):
         return [min(1.0, p + by) if n + 1 in raise_at else p for n, p in enumerate(r)]
@@ -60,14 +60,14 @@ def mean_tau(rates: Sequence[Sequence[float]], raise_at: Sequence[int] = (), by:
 def points_needed(rates, raise_at: Sequence[int], goal: float) -> Optional[float]:
     """The smallest raise, in points, at ``raise_at`` that lifts tau to ``goal`` (0 when it is there
     already); None if even rates of 1 there do not."""
-    if mean_tau(rates) >= goal:
+    if tau_raised(rates) >= goal:
         return 0.0
-    if mean_tau(rates, raise_at, 1.0) < goal:
+    if tau_raised(rates, raise_at, 1.0) < goal:
         return None
     lo, hi = 0.0, 1.0
     for _ in range(40):  # tau rises with the raise: bisect to well under 0.01 points
         mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if mean_tau(rates, raise_at, mid) >= goal else (mid, hi)
+        lo, hi = (lo, mid) if tau_raised(rates, raise_at, mid) >= goal else (mid, hi)
     return 100 * hi
 
 
@@ -76,11 +76,11 @@ def report(records: Sequence[dict], methods: Sequence[str], depth: int, raise_at
     """Per method: its tau, its tau with ``by_points`` more pos-acc at ``raise_at``, and the points it
     needs at each depth alone and at every depth for ``ratio`` times the tau of ``against`` (else its own)."""
     out = {}
-    ref = mean_tau(question_rates(records, against, depth)) if against else None
+    ref = tau_raised(question_rates(records, against, depth)) if against else None
     for m in methods:
         rates = question_rates(records, m, depth)
-        base = mean_tau(rates)
-        raised = mean_tau(rates, raise_at, by_points / 100)
+        base = tau_raised(rates)
+        raised = tau_raised(rates, raise_at, by_points / 100)
         goal = ratio * (ref if against else base)
         out[m] = {"questions": len(rates), "tau": base, "raised_tau": raised, "raised_ratio": raised / base,
                   "goal_tau": goal, "needed_at_depth": [points_needed(rates, [n], goal) for n in range(1, depth + 1)],

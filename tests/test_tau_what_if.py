@@ -41,9 +41,9 @@ def test_counterfactuals_by_hand(tw):
     # One question, depth 2, hist [1, 1, 2]: pos-acc 3/4 and 2/3, tau (1 + 2 + 3 + 3) / 4 = 2.25.
     rates = tw.question_rates(records("a", [[1, 1, 2]]), "a", 2)
     assert rates == [[0.75, pytest.approx(2 / 3)]]
-    assert tw.mean_tau(rates) == pytest.approx(2.25)
-    assert tw.mean_tau(rates, [2], 0.1) == pytest.approx(1 + 0.75 + 0.75 * (2 / 3 + 0.1))
-    assert tw.mean_tau(rates, [1, 2], 1.0) == pytest.approx(3.0)  # capped at 1: every round accepts both
+    assert tw.tau_raised(rates) == pytest.approx(2.25)
+    assert tw.tau_raised(rates, [2], 0.1) == pytest.approx(1 + 0.75 + 0.75 * (2 / 3 + 0.1))
+    assert tw.tau_raised(rates, [1, 2], 1.0) == pytest.approx(3.0)  # capped at 1: every round accepts both
     # tau = 1 + p1 (1 + 2/3), so tau 2.5 needs p1 = 0.9: +15 points at depth 1.
     assert tw.points_needed(rates, [1], 2.5) == pytest.approx(15.0, abs=1e-6)
     assert tw.points_needed(rates, [1], 2.0) == 0.0
@@ -62,7 +62,7 @@ def test_report_keeps_each_questions_tau_and_fills_unreached_depths(tw):
     # reached depth 1, so its depth-2 rate is the pooled one over [8, 2, 2]: 2 / 4.
     rates = tw.question_rates(recs, "a", 2)
     assert rates == [[0.75, pytest.approx(2 / 3)], [0.25, 0.0], [0.0, 0.5]]
-    assert tw.mean_tau(rates, [1], 0.25) == pytest.approx(((1 + 1 + 2 / 3) + (1 + 0.5) + (1 + 0.25 + 0.25 * 0.5)) / 3)
+    assert tw.tau_raised(rates, [1], 0.25) == pytest.approx(((1 + 1 + 2 / 3) + (1 + 0.5) + (1 + 0.25 + 0.25 * 0.5)) / 3)
 
 
 def test_cli(tw, tmp_path, capsys):
