@@ -21,14 +21,13 @@ import argparse
 import datetime
 import functools
 import hashlib
-import inspect
 import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 # poss is imported here too (dtype, data fingerprints), not only by the validation subprocesses.
@@ -135,11 +134,14 @@ def init_of(cfg: dict, run: Optional[Path], init_dir: Optional[Path]) -> Optiona
 
 # -- validation over the same draft depth ----------------------------------------------------------
 
-def validate_autocast() -> str:
-    """The draft precision of ``poss train --validate``: ``validate_draft``'s default, read rather than restated."""
-    from poss.train.validate import validate_draft
+def validation_precision(dtype: str) -> Tuple[str, str]:
+    """The target dtype and draft autocast of ``poss train --validate --dtype dtype``: resolved as for
+    training (``auto`` is fp32 on a CPU without hardware bf16), the draft's as training next to it."""
+    from poss.hardware import resolve_dtype
+    from poss.train.validate import draft_autocast
 
-    return inspect.signature(validate_draft).parameters["autocast"].default
+    resolved = resolve_dtype(dtype, training=True)
+    return str(resolved).replace("torch.", ""), draft_autocast(resolved)
 
 
 @functools.lru_cache(maxsize=None)
@@ -619,10 +621,7 @@ def main(argv=None) -> int:
     a.past_curves = a.past_curves and repo_path(a.past_curves)
     a.init = None if a.init == "none" else repo_path(a.init)
 
-    from poss.hardware import resolve_dtype
-
-    a.dtype_name = str(resolve_dtype(a.dtype)).replace("torch.", "")
-    a.autocast = validate_autocast()
+    a.dtype_name, a.autocast = validation_precision(a.dtype)
     run_dirs = sorted(p for p in a.runs.iterdir() if p.is_dir()) if a.runs.is_dir() else []
     finished = [r for r in run_dirs if (r / "draft-fp16" / "config.json").is_file()]
     if not finished:

@@ -212,3 +212,17 @@ def test_past_curves_survive_their_run_folders(rep, tmp_path):
         ("EAGLE-2 (`round2/eagle2`)", [(100, 0.50, 1)]),  # the live run, not its saved copy
     ]
     assert "| 100 | 40.0% |" in rep.curve_table(got)
+
+
+def test_validation_precision_is_trainings(rep, monkeypatch):
+    # `auto` resolves as `poss train` resolves it: fp32 (and an fp32 draft) on a CPU without hardware
+    # bf16 even where bf16 inference is fast, bf16 with bf16 autocast where training runs bf16.
+    import poss.hardware as hw
+
+    monkeypatch.setattr(hw, "cpu_runs_bf16_fast", lambda: True)
+    monkeypatch.setattr(hw, "cpu_has_fast_bf16", lambda: False)
+    assert rep.validation_precision("auto") == ("float32", "none")
+    assert rep.validation_precision("bfloat16") == ("bfloat16", "bf16")
+    monkeypatch.setattr(hw, "cpu_has_fast_bf16", lambda: True)
+    assert rep.validation_precision("auto") == ("bfloat16", "bf16")
+    assert rep.validation_precision("float32") == ("float32", "none")

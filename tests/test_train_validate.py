@@ -6,7 +6,7 @@ import torch
 from helpers.train_tiny import make_trainer, tiny_examples, tiny_target
 from poss.train.data import collate
 from poss.train.features import CachedFeatures, FeatureCache, OnlineFeatures
-from poss.train.validate import validate_draft
+from poss.train.validate import draft_autocast, validate_draft
 
 
 @pytest.fixture(scope="module")
@@ -18,11 +18,23 @@ def trained(tmp_path_factory):
 
 
 def test_reproduces_the_trainers_own_validation(trained):
+    # No autocast given: the draft runs as training ran it next to this fp32 runner (in fp32), as
+    # `poss train --validate` does on a CPU without hardware bf16.
     tr, result, draft = trained
-    got = validate_draft(draft, tr.runner, tr.val, steps=4, batch_size=2, autocast="none")
+    assert tr.runner.dtype == torch.float32 and tr.cfg.autocast == draft_autocast(tr.runner.dtype) == "none"
+    got = validate_draft(draft, tr.runner, tr.val, steps=4, batch_size=2)
     assert got["steps"] == 4 and got["tokens"] == result["val"]["tokens"]
     assert got["acc"] == result["val"]["acc"]
     torch.testing.assert_close(torch.tensor(got["loss"]), torch.tensor(result["val"]["loss"]), rtol=1e-5, atol=1e-6)
+    bf16 = validate_draft(draft, tr.runner, tr.val, steps=4, batch_size=2, autocast="bf16")
+    assert bf16["loss"] != got["loss"]  # the precision is not a no-op: the default picked fp32
+    with pytest.raises(ValueError, match="autocast must be 'bf16' or 'none', got 'fp16'"):
+        validate_draft(draft, tr.runner, tr.val, steps=1, autocast="fp16")
+
+
+def test_draft_autocast_follows_the_target_dtype():
+    assert draft_autocast(torch.bfloat16) == "bf16"
+    assert draft_autocast(torch.float32) == "none"
 
 
 def test_more_steps_extend_without_changing_earlier_ones(trained):

@@ -125,16 +125,13 @@ def check_train_arguments(args) -> None:
 
 
 def run_train(args) -> int:
-    import torch
-
     from poss.train.ddp import shutdown
     from poss.train.loop import TrainConfig, Trainer
+    from poss.train.validate import draft_autocast, validate_draft
 
     check_train_arguments(args)
     info, runner, data, token_map = _prepare(args)
     if args.validate is not None:
-        from poss.train.validate import validate_draft
-
         result = validate_draft(args.validate, runner, data.val, steps=args.steps or 6,
                                 feature_cache=data.feature_cache, batch_size=args.batch_size, info=info)
         if info.main:
@@ -146,7 +143,7 @@ def run_train(args) -> int:
                       v_weight=args.feature_weight, p_weight=args.token_weight,
                       noise_std=args.noise_std, checkpoint_minutes=args.checkpoint_minutes, seed=args.seed,
                       max_batches=args.max_batches, validate_every_epoch=args.validate_every_epoch,
-                      autocast="bf16" if runner.dtype == torch.bfloat16 else "none")
+                      autocast=draft_autocast(runner.dtype))
     trainer = Trainer(runner, cfg, data.train, data.val, args.out,
                       target_name=args.target if isinstance(args.target, str) else "", init_from=args.init_from,
                       feature_cache=data.feature_cache, info=info, data_info=data.info, token_map=token_map,

@@ -50,18 +50,29 @@ def evaluate(draft: PosSDraft, features, examples: Sequence[Example], ids: Seque
             "acc": (sums[:, 2] / M).tolist(), "tokens": int(sums[0, 3])}
 
 
+def draft_autocast(target_dtype: torch.dtype) -> str:
+    """The draft's precision in training and validation next to a target in ``target_dtype``: bf16
+    autocast ("bf16") with a bf16 target, which ``resolve_dtype(..., training=True)`` picks only on CPUs
+    with hardware bf16 (and on CUDA), else fp32 ("none")."""
+    return "bf16" if target_dtype == torch.bfloat16 else "none"
+
+
 def validate_draft(draft_dir, runner: TargetRunner, val_examples: List[Example], steps: int = 6,
-                   feature_cache: Optional[str] = None, batch_size: int = 1, autocast: str = "bf16",
+                   feature_cache: Optional[str] = None, batch_size: int = 1, autocast: Optional[str] = None,
                    info: DistInfo = DistInfo()) -> Dict:
     """Per-step validation metrics of the draft in ``draft_dir`` over ``steps`` draft positions.
 
     Returns ``{"draft", "steps", "vloss", "ploss", "loss", "acc", "tokens"}``; ``acc[k]`` is the top-1
     agreement of the draft's step-k token with the target's at every assistant position (lists of
-    length ``steps``). The draft is scored in fp32 master weights under ``autocast`` ("bf16" or "none"),
-    as in training, with the training objective's default loss weights.
+    length ``steps``). The draft is scored in fp32 master weights under ``autocast`` ("bf16" or "none";
+    default: :func:`draft_autocast` of the runner's dtype, as training next to this runner), with the
+    training objective's default loss weights.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    autocast = draft_autocast(runner.dtype) if autocast is None else autocast
+    if autocast not in ("bf16", "none"):
+        raise ValueError(f"autocast must be 'bf16' or 'none', got {autocast!r}")
     draft = PosSDraft.load(draft_dir, dtype=torch.float32, device=runner.device)
     draft.config.check_target(runner.fingerprint(), what=str(draft_dir))
     features = make_features(runner, feature_cache, info.rank)
