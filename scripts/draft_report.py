@@ -244,7 +244,7 @@ def scored_on(rows: List[dict]) -> str:
     splits = "; ".join(f"{s} (fingerprint `{fp}`, {n} conversations, {tok:,} answer tokens)"
                        for s, fp, n, tok in sorted(keys))
     k = rows[0]["val"]["key"]
-    return f"held-out split: {splits}; target {k['dtype']}, draft fp32 weights under {k['autocast']} autocast"
+    return f"held-out split: {splits}; target {k['dtype']}, draft {draft_precision(k['autocast'])}"
 
 
 def target_title(cfg: dict) -> str:
@@ -280,7 +280,7 @@ def plot_steps(rows: List[dict], steps: int, path: Path) -> None:
     ax.set_xlabel("draft position (step)")
     ax.set_ylabel("top-1 agreement with the target (%)")
     ax.set_title(f"held-out per-step accuracy ({rows[0]['val']['tokens']:,} tokens)\n"
-                 f"target {k['dtype']}, draft under {k['autocast']} autocast", fontsize=10)
+                 f"target {k['dtype']}, draft {draft_precision(k['autocast'])}", fontsize=10)
     ax.legend()
     # The methods that hold accuracy differ by tenths of a point: show them against HASS.
     hass = next((d for d in rows if d["recipe"]["method"] == "hass" and d["run"] is not None), None)
@@ -309,11 +309,15 @@ def plot_steps(rows: List[dict], steps: int, path: Path) -> None:
 
 # -- the EAGLE-2 learning curve ---------------------------------------------------------------------
 
+def draft_precision(autocast: str) -> str:
+    """A draft's precision in words, from its autocast ("bf16" or "none"); its master weights are fp32 either way."""
+    return "bf16 autocast" if autocast == "bf16" else "fp32, no autocast"
+
+
 def precision(training: dict) -> str:
     """The training precision as recorded: the recipe's autocast, and the target's dtype where the run recorded it."""
     dtype = (training.get("machine") or {}).get("dtype")
-    return ("bf16 autocast" if training["recipe"].get("autocast") == "bf16" else "fp32, no autocast") + (
-        f", target {dtype}" if dtype else "")
+    return draft_precision(training["recipe"].get("autocast")) + (f", target {dtype}" if dtype else "")
 
 
 def learning_curves(init_curve: dict, runs: List[Path], init_row: Optional[dict],
@@ -333,8 +337,9 @@ def learning_curves(init_curve: dict, runs: List[Path], init_row: Optional[dict]
             print(f"note: --init has {cumulative_tokens(t):,} token-passes, the init curve ends at {base:,}",
                   file=sys.stderr)
         rescored = (cumulative_tokens(t), init_row["val"]["acc"][0], t.get("epoch"))
+        measured = f"target {k['dtype']}, draft {draft_precision(k['autocast'])}"
         curves.append({"label": f"{init_row['label']} re-scored here", "kind": "rescored", "start": None,
-                       "points": [rescored], "measured": f"target {k['dtype']}, {k['autocast']} autocast"})
+                       "points": [rescored], "measured": measured})
     for run in runs:
         cfg, points = run_config(run), val_epochs(run)
         if cfg is None or not points or cfg["training"]["recipe"]["method"] != "eagle2":
@@ -537,7 +542,7 @@ weight decay {r['weight_decay']}, linear warmup {r['warmup_frac']:.0%} then line
 loss {mean(d['train_val'].get('loss', [])):.3f} (mean over the trained steps), \
 top-1 agreement per trained step {pct(d['train_val'].get('acc', []))} %.
 - **Validation over {steps} draft positions** (this fp16 file, `poss train --validate --steps {steps}`, \
-target {k['dtype']}, draft under {k['autocast']} autocast, {v['tokens']:,} held-out answer tokens, \
+target {k['dtype']}, draft {draft_precision(k['autocast'])}, {v['tokens']:,} held-out answer tokens, \
 split `{k['val_fingerprint']}`): top-1 agreement per position {pct(v['acc'])} % \
 (loss {' / '.join(f'{x:.3f}' for x in v['loss'])}).{misses}
 
