@@ -76,6 +76,48 @@ def test_merged_tree_holds_each_chain_as_a_path_and_keeps_the_tree(seed):
         assert chain == [] or ends, f"row {b}: the chain {chain} is not a path from the root"
 
 
+@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("with_spare", [False, True])
+def test_a_narrow_tree_keeps_its_padding_last(seed, with_spare):
+    # build_tree pads a row whose draft proposed fewer than num_nodes - 1 candidates (a depth-1 tree
+    # wider than its beam): the chain's nodes must go before that padding, which the ops require
+    B, N, k = 3, 7, 4
+    tree = random_tree(B, N, seed)
+    real = [N, 3, 5]  # rows 1 and 2 end in padding
+    for b, n in enumerate(real):
+        tree.tokens[b, n:], tree.parents[b, n:], tree.depth[b, n:] = 0, -2, 0
+    g = torch.Generator().manual_seed(300 + seed)
+    if with_spare:
+        tree.spare = torch.randperm(40, generator=g)[:2 * B].view(B, 2) + 10
+    contexts = [torch.randint(0, 6, (12,), generator=g).tolist() + [int(tree.tokens[b, 0])] for b in range(B)]
+    out = add_lookup(tree, contexts, k)
+    E = out.tokens.shape[1] - N
+    assert E > 0 and (E == k or not with_spare)
+    poss_ext.ops.tree_verify(out.parents, out.tokens, torch.randn(B, N + E, 50), None, None, None, None)  # valid
+    for b, n in enumerate(real):
+        assert torch.equal(out.tokens[b, :n], tree.tokens[b, :n])
+        assert torch.equal(out.parents[b, :n], tree.parents[b, :n])
+        assert out.parents[b, n + E:].tolist() == [-2] * (N - n), "padding moves behind the new nodes"
+        for i in range(n, n + E):
+            p = int(out.parents[b, i])
+            assert 0 <= p < i and int(out.depth[b, i]) == int(out.depth[b, p]) + 1
+        chain = continuation(contexts[b], k)
+        assert chain == [] or any(path_tokens(out, b, i) == chain for i in range(n + E))
+
+
+def test_lookup_after_a_padded_draft_tree():
+    # the tree of CI's failure: a beam of 2 at depth 1 fills 3 of 6 nodes; the chain used to land behind the padding
+    cand_tokens = torch.tensor([[4, 7]])
+    tokens, parents, depth = poss_ext.ops.build_tree(cand_tokens, torch.tensor([[-0.1, -0.2]]),
+                                                     torch.tensor([[-1, -1]], dtype=torch.int32),
+                                                     torch.tensor([9]), 6)
+    assert parents[0].tolist() == [-1, 0, 0, -2, -2, -2]
+    out = add_lookup(Tree(tokens, parents, depth), [[9, 4, 1, 2, 9]], 3)  # chain after 9: [4, 1, 2]
+    assert out.tokens[0].tolist() == [9, 4, 7, 1, 2, 0, 0, 0]
+    assert out.parents[0].tolist() == [-1, 0, 0, 1, 3, -2, -2, -2]
+    assert out.depth[0].tolist() == [0, 1, 1, 2, 3, 0, 0, 0]
+
+
 def test_no_chain_leaves_the_tree_as_it_is():
     tree = random_tree(2, 5, 0)
     assert add_lookup(tree, [[1, 2, 3], [4, 5, 6]], 4) is tree
@@ -147,6 +189,17 @@ def test_greedy_with_lookup_matches_hf(target, draft):
     if draft:
         plain = gen.generate(prompts[:1], 16, tree=TreeParams(num_nodes=6, depth=2, beam_width=4)).stats[0]
         assert plain.draft_tokens == 5 * plain.rounds
+
+
+def test_greedy_with_lookup_after_a_narrow_tree_matches_hf(target):
+    # depth 1 and a beam of 4 propose 4 candidates for 7 rows: the draft tree ends in padding (CI's failure)
+    prompts = eval_prompts(n_per_set=1)[:3]
+    gen = make_generator(target, draft=True, n=3, ppl=2, aligned=False)
+    gen.end_ids = set()
+    res = gen.generate(prompts, 48, tree=TreeParams(num_nodes=8, depth=1, beam_width=4, lookup=3))
+    for p, got in zip(prompts, res.token_ids):
+        assert got == hf_greedy(target, p, 48)
+    assert any(k > 1 and c for s in res.stats for k, c in enumerate(s.accept_hist)), "the chain was accepted"
 
 
 @pytest.mark.parametrize("draft", [True, False], ids=["poss-n3-plus-lookup", "lookup-only"])

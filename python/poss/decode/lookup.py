@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, List, Optional, Sequence
 import torch
 
 from poss.decode.draft_tree import Tree
+from poss.models.tree import PAD
 
 if TYPE_CHECKING:
     from poss.decode.datastore import Datastore
@@ -60,7 +61,8 @@ def add_lookup(tree: Tree, contexts: Sequence[Sequence[int]], k: int, datastore:
     tokens; where the context holds none, ``datastore``'s :meth:`~poss.decode.datastore.Datastore.continuation`)
     merged in; ``contexts[b]`` ends with row b's root token.
 
-    Every row gets the same number E of new nodes (ids N .. N+E-1, after the tree's): the longest
+    Every row gets the same number E of new nodes, right after its real nodes (ids n_b .. n_b+E-1,
+    where row b holds n_b real nodes; its padding moves behind them, as the tree encoding requires): the longest
     remainder of a chain that the tree did not already hold, or ``k`` when the tree carries spare
     tokens (:attr:`Tree.spare`). A row whose remainder is shorter fills the rows left with its spare
     tokens as children of the root, best first, then with children of the root that repeat the root's
@@ -71,6 +73,7 @@ def add_lookup(tree: Tree, contexts: Sequence[Sequence[int]], k: int, datastore:
     tokens, parents, depth = tree.tokens.tolist(), tree.parents.tolist(), tree.depth.tolist()
     spare = tree.spare.tolist() if tree.spare is not None else [[] for _ in tokens]
     N = len(tokens[0])
+    real = [next((i for i in range(N) if parents[b][i] == PAD), N) for b in range(len(tokens))]
     merged = []  # per row: (node the remainder hangs below, the remainder)
     for b, ctx in enumerate(contexts):
         chain = continuation(ctx, k)
@@ -88,19 +91,18 @@ def add_lookup(tree: Tree, contexts: Sequence[Sequence[int]], k: int, datastore:
         return tree
     new_tok, new_par, new_dep = [], [], []
     for b, (node, rest) in enumerate(merged):
-        # the remainder hangs below `node` as a chain (its e-th node's parent is N + e - 1)
-        p = [node if e == 0 else N + e - 1 for e in range(len(rest))]
+        n = real[b]
+        # the remainder hangs below `node` as a chain (its e-th node's parent is n + e - 1)
+        p = [node if e == 0 else n + e - 1 for e in range(len(rest))]
         d = [depth[b][node] + 1 + e for e in range(len(rest))]
-        # then root children: spare tokens (one equal to a chain's first node would be its twin), padding
+        # then root children: spare tokens (one equal to a chain's first node would be its twin), repeats
         fill = [x for x in spare[b] if not (node == 0 and rest and x == rest[0])][:E - len(rest)]
         fill += [tokens[b][0]] * (E - len(rest) - len(fill))
-        new_tok.append(list(rest) + fill)
-        new_par.append(p + [0] * len(fill))
-        new_dep.append(d + [1] * len(fill))
+        # the row's padding (a tree narrower than num_nodes) stays last
+        new_tok.append(tokens[b][:n] + list(rest) + fill + tokens[b][n:])
+        new_par.append(parents[b][:n] + p + [0] * len(fill) + parents[b][n:])
+        new_dep.append(depth[b][:n] + d + [1] * len(fill) + depth[b][n:])
     dev = tree.tokens.device
-
-    def cat(old, new, dtype):
-        return torch.cat([old, torch.tensor(new, dtype=dtype, device=dev)], 1)
-
-    return Tree(cat(tree.tokens, new_tok, torch.int64), cat(tree.parents, new_par, torch.int32),
-                cat(tree.depth, new_dep, torch.int32))
+    return Tree(torch.tensor(new_tok, dtype=torch.int64, device=dev),
+                torch.tensor(new_par, dtype=torch.int32, device=dev),
+                torch.tensor(new_dep, dtype=torch.int32, device=dev))
