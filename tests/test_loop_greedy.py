@@ -7,6 +7,8 @@ often, so long accepted paths, KV compaction and the specialists' catch-up are e
 """
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from helpers.loop import (
     eval_prompts,
@@ -108,6 +110,20 @@ def test_depth_and_tree_size_variants(target, reference):
     for depth, nodes, k in [(1, 4, 3), (3, 8, 2), (8, 40, 4)]:
         got, _ = generate_batched(gen, PROMPTS[:6], 6, depth=depth, num_nodes=nodes, beam_width=k)
         assert_identical(got, reference[:6])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(num_nodes=st.integers(1, 24), depth=st.integers(0, 7), beam_width=st.integers(1, 12),
+       lookup=st.integers(0, 6), batch=st.sampled_from([1, 3]))
+def test_any_tree_shape_is_lossless(target, reference, num_nodes, depth, beam_width, lookup, batch):
+    """Every tree a caller (or autotune) can ask for, including depth-1 trees wider than their beam
+    (the draft tree then ends in padding) with a lookup chain merged in, as CI once hit by chance."""
+    gen = make_generator(target, draft=True, n=3, ppl=2, aligned=True)
+    if depth == 0 or num_nodes == 1:
+        depth, num_nodes = 0, 1
+    res = [gen.generate(PROMPTS[i: i + batch], 24, num_nodes=num_nodes, depth=depth, beam_width=beam_width,
+                        lookup=lookup).token_ids for i in range(0, 3, batch)]
+    assert_identical([t for r in res for t in r], [r[:24] for r in reference[:3]])
 
 
 @pytest.mark.slow  # Inductor compiles the target and draft steps first (about a minute)
