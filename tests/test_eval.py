@@ -190,12 +190,43 @@ def test_speedup_is_timed_on_the_questions_both_methods_answered():
 
 @pytest.mark.parametrize("bad,msg", [(["--limit", "0"], "--limit"), (["--temperature", "-1"], "--temperature"),
                                      (["--drafts", "nowhere"], "--drafts"), (["--datasets", "nope"], "--datasets"),
-                                     (["--turns", "0"], "--turns"), (["--draft-vocab", "all"], "--draft-vocab")])
+                                     (["--turns", "0"], "--turns"), (["--draft-vocab", "all"], "--draft-vocab"),
+                                     (["--shard", "2/2"], "--shard"), (["--shard", "1"], "--shard"),
+                                     (["--shard", "-1/2"], "--shard")])
 def test_eval_bad_arguments(bad, msg, tmp_path, capsys):
     from poss.cli import main
 
     assert main(["eval", "--out", str(tmp_path)] + bad) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_shards_answer_each_question_once_and_merge_into_the_unsharded_run(tiny_folder, tmp_path):
+    """``--shard I/N`` splits the questions (after --limit) by position; the merged shards hold the
+    same questions and the same answers as one process answering them all."""
+    from helpers.scripts import load_script
+    from poss.cli import main
+
+    torch.set_num_threads(1)
+    data = jsonl(tmp_path / "mini.jsonl", [{"question_id": f"q{i}", "turns": [f"say {i}"]} for i in range(6)])
+
+    def run(out, *extra):
+        assert main(["eval", "--target", str(tiny_folder / "target"), "--drafts", str(tiny_folder / "eagle"),
+                     "--datasets", "none", "--dataset", str(data), "--limit", "5", "--max-new-tokens", "6",
+                     "--num-nodes", "6", "--depth", "2", "--beam-width", "3", "--out", str(out), *extra]) == 0
+        return by_key(out)
+
+    def by_key(out):
+        return {(r["method"], r["question_id"]): r for r in map(json.loads, (out / "records.jsonl").open())}
+
+    whole = run(tmp_path / "whole")
+    shards = [run(tmp_path / f"s{i}", "--shard", f"{i}/3") for i in range(3)]
+    assert [sorted({q for _, q in s}) for s in shards] == [["q0", "q3"], ["q1", "q4"], ["q2"]]
+    load_script("eval_merge").merge([tmp_path / f"s{i}" for i in range(3)], tmp_path / "merged")
+    merged = by_key(tmp_path / "merged")
+    assert merged.keys() == whole.keys() and len(whole) == 10  # ar and eagle, 5 questions each
+    for key, r in whole.items():
+        assert [t["token_ids"] for t in merged[key]["turns"]] == [t["token_ids"] for t in r["turns"]]
+        assert [t["accept_hist"] for t in merged[key]["turns"]] == [t["accept_hist"] for t in r["turns"]]
 
 
 def test_merge_two_runs_and_a_question_range(tiny_folder, tmp_path):

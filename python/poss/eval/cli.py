@@ -3,6 +3,7 @@
 import argparse
 import sys
 from pathlib import Path
+from typing import Tuple
 
 from poss.cli_args import (
     DRAFT_VOCAB_HELP,
@@ -29,6 +30,9 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--dataset", action="append", default=[], metavar="FILE",
                    help="a custom JSONL set (records with 'turns'); repeatable")
     p.add_argument("--limit", type=int_at_least(1), default=None, help="the first K questions of each set")
+    p.add_argument("--shard", type=shard_arg, default=(0, 1), metavar="I/N",
+                   help="answer only the questions at positions I, I+N, I+2N, ... of each set (after --limit), "
+                        "so N processes share the cores; merge their folders with scripts/eval_merge.py")
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=512, help="answer length per turn at most")
     p.add_argument("--turns", type=int_at_least(1), default=None,
                    help="ask only the first K turns of each question (MT-Bench has 2; default: all)")
@@ -49,6 +53,18 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
                    help="the models' dtype; auto: bfloat16 on CUDA or a CPU with AMX/AVX512-BF16, else float32")
     p.add_argument("--out", required=True, help="results folder (resumes when it already holds records)")
     return p
+
+
+def shard_arg(text: str) -> Tuple[int, int]:
+    """``I/N`` -> (I, N) with 0 <= I < N."""
+    i, _, n = text.partition("/")
+    try:
+        i, n = int(i), int(n)
+    except ValueError:
+        i = n = None
+    if i is None or not 0 <= i < n:
+        raise argparse.ArgumentTypeError(f"expected I/N with integers 0 <= I < N, e.g. 0/2, got {text!r}")
+    return i, n
 
 
 def _check(args) -> None:
@@ -92,7 +108,8 @@ def run_eval(args) -> int:
                  args.turns, args.lookup, args.draft_vocab)
     dtype = resolve_dtype(args.dtype, "cpu")
     try:
-        evaluate(args.target, methods, datasets, args.out, s, dtype=dtype, limit=args.limit)
+        evaluate(args.target, methods, datasets, args.out, s, dtype=dtype, limit=args.limit,
+                 shard=args.shard)
     except ResumeConflict as e:
         raise UsageError(f"--out: {e}") from None
     res = write(args.out, args.depth, vars(s), args.threads, dtype)

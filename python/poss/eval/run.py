@@ -13,7 +13,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -128,9 +128,11 @@ def answer(method, record: dict, s: Settings) -> List[dict]:
 
 
 def evaluate(target: str, drafts: Iterable[Optional[str]], datasets: Dict[str, List[dict]], out, s: Settings,
-             dtype=torch.float32, limit: Optional[int] = None, progress: bool = True) -> Path:
-    """Run every method over every dataset (the first ``limit`` questions of each); returns the
-    ``records.jsonl`` path. ``drafts`` holds None (ar), "hf", or draft folders."""
+             dtype=torch.float32, limit: Optional[int] = None, shard: Tuple[int, int] = (0, 1),
+             progress: bool = True) -> Path:
+    """Run every method over every dataset (the first ``limit`` questions of each; of those, with
+    ``shard=(i, n)``, the ones at positions i, i + n, ...); returns the ``records.jsonl`` path.
+    ``drafts`` holds None (ar), "hf", or draft folders."""
     from tqdm import tqdm
 
     import poss
@@ -155,7 +157,8 @@ def evaluate(target: str, drafts: Iterable[Optional[str]], datasets: Dict[str, L
                 method = gen
             warm = False
             for ds, records in datasets.items():
-                todo = [r for r in records[:limit] if (name, ds, r["question_id"]) not in done]
+                mine = records[:limit][shard[0]::shard[1]]
+                todo = [r for r in mine if (name, ds, r["question_id"]) not in done]
                 if not todo:
                     continue
                 if not warm:  # first-call costs (allocation, thread pools) stay out of the timings
