@@ -202,7 +202,7 @@ def datastore_arg(value: str):
 
 
 DRAFT_VOCAB_HELP = ("the rows of the target's lm_head a reduced-vocabulary draft scores: trained (its own K "
-                    "tokens) or full (all: 3-4 %% more tokens per round for the shipped PosS-2, a draft head "
+                    "tokens) or full (all: 3-4 %% more tokens per round for the round-8 PosS-2, a draft head "
                     "6x larger; worth it where the head is cheap beside a verify, as on a GPU)")
 
 
