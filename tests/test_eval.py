@@ -205,6 +205,7 @@ def test_shards_answer_each_question_once_and_merge_into_the_unsharded_run(tiny_
     same questions and the same answers as one process answering them all."""
     from helpers.scripts import load_script
     from poss.cli import main
+    from poss.jsonl import read_jsonl
 
     torch.set_num_threads(1)
     data = jsonl(tmp_path / "mini.jsonl", [{"question_id": f"q{i}", "turns": [f"say {i}"]} for i in range(6)])
@@ -216,7 +217,7 @@ def test_shards_answer_each_question_once_and_merge_into_the_unsharded_run(tiny_
         return by_key(out)
 
     def by_key(out):
-        return {(r["method"], r["question_id"]): r for r in map(json.loads, (out / "records.jsonl").open())}
+        return {(r["method"], r["question_id"]): r for r in read_jsonl(out / "records.jsonl")}
 
     whole = run(tmp_path / "whole")
     shards = [run(tmp_path / f"s{i}", "--shard", f"{i}/3") for i in range(3)]
