@@ -19,6 +19,7 @@ from helpers.loop import (
 from poss.decode import autotune
 from poss.decode.autotune import (
     Calibration,
+    auto_tree,
     choose,
     draft_model,
     draft_ms,
@@ -154,7 +155,7 @@ def test_auto_tree_is_measured_cached_and_lossless(target, tmp_path, monkeypatch
     assert len(files) == 1
     # the second call reads the cache (no timing: generate must not run)
     monkeypatch.setattr(autotune, "measure", lambda *a, **k: pytest.fail("measured twice"))
-    tree = TreeParams.auto(gen, prompts=prompts)
+    tree = auto_tree(gen, prompts=prompts)
     assert tree == choose(c)
     for p in PROMPTS:
         assert gen.generate([p], NEW, tree=tree).token_ids[0] == hf_greedy(target, p, NEW)
@@ -264,7 +265,7 @@ def test_refinement_times_only_the_contenders_again(target, tmp_path, monkeypatc
 
 def test_auto_tree_without_draft_is_plain_decoding(target):
     gen = make_generator(target, draft=False)
-    assert TreeParams.auto(gen) == TreeParams(num_nodes=1, depth=0)
+    assert auto_tree(gen) == TreeParams(num_nodes=1, depth=0)
 
 
 def test_cache_key_names_machine_dtype_and_models(target):
@@ -306,7 +307,7 @@ def test_auto_default_tree_is_resolved_once_and_overridable(target, monkeypatch)
         calls.append(beam_width)
         return TreeParams(picked.num_nodes, picked.depth, beam_width)
 
-    monkeypatch.setattr(TreeParams, "auto", staticmethod(fake_auto))
+    monkeypatch.setattr(autotune, "auto_tree", fake_auto)
     assert gen.resolve_tree() == TreeParams()  # a bare Generator keeps the fixed default
     gen.default_tree = "auto"
     assert gen.resolve_tree() == TreeParams(8, 3, 10)

@@ -13,6 +13,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 
+from poss.decode import autotune
 from poss.decode.batch import BatchState, Request
 from poss.decode.draft_tree import draft_tree, root_only_tree, warm_up
 from poss.decode.lookup import add_lookup
@@ -193,7 +194,7 @@ class Generator:
 
     def resolve_tree(self, tree: Union[TreeParams, str, None] = None, **fields) -> TreeParams:
         """The tree of a call: ``tree`` (None: :attr:`default_tree`; ``"auto"``: sized by measurement, see
-        :meth:`TreeParams.auto`) with ``fields`` (``num_nodes``, ``depth``, ``beam_width``) overriding.
+        :meth:`auto_tree`) with ``fields`` (``num_nodes``, ``depth``, ``beam_width``) overriding.
         Naming a size overrides ``auto`` with the fixed defaults for the other."""
         tree = self.default_tree if tree is None else tree
         if isinstance(tree, str):
@@ -210,10 +211,13 @@ class Generator:
         return tree
 
     def auto_tree(self, beam_width: int = TreeParams.beam_width) -> TreeParams:
-        """``TreeParams.auto(self)``, kept for the generator's lifetime (the first call may time the machine)."""
+        """The tree that maximises expected tokens/s for this generator on this machine and dtype
+        (:func:`poss.decode.autotune.auto_tree`: verify and draft costs timed once and cached on disk, and
+        the draft's acceptance profile; root-only when plain decoding is faster), kept for the
+        generator's lifetime."""
         key = (beam_width, id(self.datastore))  # a datastore changes what the lookup chains are worth
         if key not in self._auto_trees:
-            self._auto_trees[key] = TreeParams.auto(self, beam_width=beam_width)
+            self._auto_trees[key] = autotune.auto_tree(self, beam_width=beam_width)
         return self._auto_trees[key]
 
     def speculation_limit(self, tree: TreeParams) -> Optional[int]:
@@ -226,9 +230,8 @@ class Generator:
             return None
         key = (id(self.draft), tree.num_nodes, tree.depth, tree.beam_width, tree.lookup)
         if key not in self._limits:
-            from poss.decode.autotune import speculation_limit
 
-            self._limits[key] = speculation_limit(self, tree)
+            self._limits[key] = autotune.speculation_limit(self, tree)
         return self._limits[key]
 
     def _requests(self, prompts, max_new_tokens: int, sampling: Sequence[SamplingParams]) -> List[Request]:

@@ -23,7 +23,7 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
     (:func:`poss.hardware.resolve_dtype`); a name (``"bf16"``) or a torch dtype
     is used as given. ``tree``: the generator's ``default_tree``: ``"auto"`` (the default) sizes the
     draft tree for this machine, dtype and draft on the first call that needs it (timed once, about a
-    minute on a small CPU, then cached on disk; :meth:`TreeParams.auto`), or a fixed
+    minute on a small CPU, then cached on disk; :meth:`Generator.auto_tree`), or a fixed
     :class:`TreeParams`. ``speculate_max_batch``: the generator's
     :attr:`~Generator.speculate_max_batch`: calls with more live requests decode plainly; ``"auto"``
     (the default) measures where tree rounds stop paying on this machine (once, cached on disk), None

@@ -185,15 +185,6 @@ class TreeParams:
         """Candidates handed to ``build_tree``: K at level 1, K * K at each deeper level."""
         return self.beam_width + (self.depth - 1) * self.beam_width ** 2
 
-    @staticmethod
-    def auto(generator, beam_width: int = 10, **calibrate_kw) -> "TreeParams":
-        """The tree that maximises expected tokens/s for ``generator`` on this machine and dtype: verify
-        and draft costs timed once (cached) and the draft's acceptance profile
-        (:mod:`poss.decode.autotune`). Root-only (plain decoding) when that is faster."""
-        from poss.decode.autotune import auto_tree
-
-        return auto_tree(generator, beam_width=beam_width, **calibrate_kw)
-
     def check_vocab(self, vocab: int) -> None:
         if self.beam_width > vocab:
             raise ValueError(f"beam_width must be in [1, vocab={vocab}], got {self.beam_width}")
