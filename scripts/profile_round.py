@@ -67,9 +67,8 @@ def main(argv=None) -> int:
 
     import poss
     from poss import hardware
-    from poss.cli_args import tree_spec
     from poss.data.eval_sets import load_eval_set
-    from poss.decode.params import TreeParams
+    from poss.decode.params import TreeParams, tree_spec
 
     torch.set_num_threads(a.threads)
     dtype = hardware.resolve_dtype(a.dtype)

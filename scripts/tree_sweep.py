@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--datastore-ab", action="store_true",
                     help="time every chained tree also without the shipped datastore (rows 'no datastore')")
     a = ap.parse_args(argv)
-    from poss.cli_args import tree_spec
+    from poss.decode.params import tree_spec
 
     try:
         trees = [tree_spec(t) for t in a.trees]

@@ -91,8 +91,7 @@ def test_generate_bad_numbers(cmd, bad, flag, capsys):
 
 def test_tree_flags_default_to_auto_and_a_size_alone_takes_the_fixed_rest():
     from poss.cli import build_parser
-    from poss.cli_args import tree_from_flags
-    from poss.decode.params import TreeParams
+    from poss.decode.params import TreeParams, tree_from_flags
 
     args = build_parser().parse_args(["generate", "--prompt", "hi"])
     assert (args.num_nodes, args.depth) == ("auto", "auto")

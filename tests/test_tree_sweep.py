@@ -1,11 +1,10 @@
 """The ``N/D+K`` tree specs of scripts/tree_sweep.py and scripts/profile_round.py
-(``poss.cli_args.tree_spec``); the timing itself needs the real model: run the script."""
+(``poss.decode.params.tree_spec``); the timing itself needs the real model: run the script."""
 
 import pytest
 
 from helpers.scripts import load_script
-from poss.cli_args import tree_spec
-from poss.decode.params import TreeParams
+from poss.decode.params import TreeParams, tree_spec
 
 
 @pytest.fixture(scope="module")

@@ -71,31 +71,6 @@ def int_or_auto(low: int, high: Optional[int] = None, words: Tuple[str, ...] = (
     return parse
 
 
-def tree_from_flags(num_nodes, depth, beam_width: int, lookup=0):
-    """``TreeParams`` from the tree flags, or ``"auto"`` when both sizes are ``auto`` (the caller passes
-    ``beam_width`` and a numeric ``lookup`` along as fields); a size given alone takes the other's fixed
-    default (60 nodes / depth 6), and ``lookup="auto"`` is 0 on a fixed tree. ``ValueError`` names the
-    field."""
-    from poss.decode.params import TreeParams
-
-    if num_nodes == "auto" and depth == "auto":
-        return "auto"
-    fixed = TreeParams()
-    return TreeParams(num_nodes=fixed.num_nodes if num_nodes == "auto" else num_nodes,
-                      depth=fixed.depth if depth == "auto" else depth, beam_width=beam_width,
-                      lookup=0 if lookup == "auto" else lookup)
-
-
-def tree_spec(text: str):
-    """``"N/D"`` -> ``TreeParams(N, D)``, ``"N/D+K"`` -> the same with a K-token lookup chain (the form
-    the benchmarks and scripts print); ``ValueError`` for anything else."""
-    from poss.decode.params import TreeParams
-
-    shape, plus, k = text.partition("+")
-    nodes, depth = (int(x) for x in shape.split("/"))
-    return TreeParams(num_nodes=nodes, depth=depth, lookup=int(k) if plus else 0)
-
-
 _LOOKUP = ("prompt lookup: merge up to this many tokens, copied from the context after the latest earlier match of "
            "its last 1-3 tokens, into every round's tree")
 LOOKUP_HELP = _LOOKUP + (" (0: off; auto: timed with the tree when the tree is auto, else 0; output unchanged, "

@@ -17,7 +17,6 @@ from poss.cli_args import (
     int_at_least,
     int_or_auto,
     target_help,
-    tree_from_flags,
 )
 from poss.models.draft_config import DRAFT_VOCABS
 
@@ -82,7 +81,7 @@ def check_arguments(args) -> None:
 
 def _params(args):
     """``(SamplingParams, TreeParams)`` from the flags; ``UsageError`` names the bad flag."""
-    from poss.decode.params import SamplingParams
+    from poss.decode.params import SamplingParams, tree_from_flags
 
     try:
         sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

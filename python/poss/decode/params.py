@@ -9,7 +9,7 @@ import hashlib
 import random
 import struct
 from dataclasses import dataclass, fields
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -188,3 +188,24 @@ class TreeParams:
     def check_vocab(self, vocab: int) -> None:
         if self.beam_width > vocab:
             raise ValueError(f"beam_width must be in [1, vocab={vocab}], got {self.beam_width}")
+
+
+def tree_from_flags(num_nodes, depth, beam_width: int, lookup=0) -> Union[TreeParams, str]:
+    """``TreeParams`` from the tree flags, or ``"auto"`` when both sizes are ``auto`` (the caller passes
+    ``beam_width`` and a numeric ``lookup`` along as fields); a size given alone takes the other's fixed
+    default (60 nodes / depth 6), and ``lookup="auto"`` is 0 on a fixed tree. ``ValueError`` names the
+    field."""
+    if num_nodes == "auto" and depth == "auto":
+        return "auto"
+    fixed = TreeParams()
+    return TreeParams(num_nodes=fixed.num_nodes if num_nodes == "auto" else num_nodes,
+                      depth=fixed.depth if depth == "auto" else depth, beam_width=beam_width,
+                      lookup=0 if lookup == "auto" else lookup)
+
+
+def tree_spec(text: str) -> TreeParams:
+    """``"N/D"`` -> ``TreeParams(N, D)``, ``"N/D+K"`` -> the same with a K-token lookup chain (the form
+    the benchmarks and scripts print); ``ValueError`` for anything else."""
+    shape, plus, k = text.partition("+")
+    nodes, depth = (int(x) for x in shape.split("/"))
+    return TreeParams(num_nodes=nodes, depth=depth, lookup=int(k) if plus else 0)

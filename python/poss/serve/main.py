@@ -17,7 +17,6 @@ from poss.cli_args import (
     int_at_least,
     int_or_auto,
     target_help,
-    tree_from_flags,
 )
 from poss.models.draft_config import DRAFT_VOCABS
 
@@ -84,6 +83,7 @@ def run_serve(args) -> int:
 
     from poss.cli_args import chosen_draft
     from poss.decode.loader import load
+    from poss.decode.params import tree_from_flags
     from poss.serve.app import create_app
     from poss.serve.backend import ContinuousBackend
     from poss.serve.engine import Engine
