@@ -78,15 +78,15 @@ def _check(args) -> None:
 
 
 def run_eval(args) -> int:
-    from poss.data.eval_sets import EVAL_SETS, load_eval_set
+    from poss.data.eval_sets import EVAL_SETS, EXTRA_SETS, load_eval_set
 
     if args.datasets in ("all", "none"):
         names = list(EVAL_SETS) if args.datasets == "all" else []
     else:
         names = [n for n in args.datasets.split(",") if n]
-    unknown = [n for n in names if n not in EVAL_SETS]
+    unknown = [n for n in names if n not in EVAL_SETS + EXTRA_SETS]
     if unknown:
-        raise UsageError(f"--datasets: unknown set(s) {unknown}; known: {', '.join(EVAL_SETS)}")
+        raise UsageError(f"--datasets: unknown set(s) {unknown}; known: {', '.join(EVAL_SETS + EXTRA_SETS)}")
     _check(args)
     import torch
 

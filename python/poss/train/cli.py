@@ -168,6 +168,8 @@ def add_distill_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=384, help="answer length at most")
     p.add_argument("--max-prompt-tokens", type=int_at_least(1), default=384, help="longer prompts are skipped")
     p.add_argument("--seed", type=int, default=0, help="prompt selection seed")
+    p.add_argument("--prompt-source", choices=("sharegpt", "sharegpt-code"), default="sharegpt",
+                   help="ShareGPT first turns, or only its coding requests (HumanEval and GSM8K problems excluded)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="the dtype the target runs in at inference (default: float32; with --rebuild-features, "
                         "the dtype the data set's features were made in, from its meta.json)")
@@ -201,6 +203,6 @@ def run_distill(args) -> int:
     gen = load(args.target, draft=None, dtype=getattr(torch, args.dtype or "float32"))
     convs = load_sharegpt()
     meta = distill(gen, convs.messages, args.out, args.prompts, args.val_prompts, args.batch_size,
-                   args.max_new_tokens, args.max_prompt_tokens, args.seed)
+                   args.max_new_tokens, args.max_prompt_tokens, args.seed, prompt_source=args.prompt_source)
     print(json.dumps(meta, indent=1))
     return 0

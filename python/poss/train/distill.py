@@ -23,7 +23,7 @@ import json
 import random
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -41,8 +41,10 @@ def is_english(text: str, min_chars: int = 16) -> bool:
 
 
 def select_prompts(conversations: List[List[Dict[str, str]]], encode, n_train: int, n_val: int, seed: int,
-                   max_prompt_tokens: int) -> Tuple[List[Tuple[int, List[int]]], List[Tuple[int, List[int]]]]:
-    """Shuffled, deduplicated English first-turn prompts that fit ``max_prompt_tokens``.
+                   max_prompt_tokens: int, accept: Optional[Callable[[str], bool]] = None
+                   ) -> Tuple[List[Tuple[int, List[int]]], List[Tuple[int, List[int]]]]:
+    """Shuffled, deduplicated English first-turn prompts that fit ``max_prompt_tokens`` and that
+    ``accept`` (when given) keeps.
 
     Returns ``(val, train)`` lists of ``(source_index, prompt_ids)``; the first ``n_val`` eligible
     prompts of the shuffled order are held out, the next ``n_train`` are for training.
@@ -52,7 +54,7 @@ def select_prompts(conversations: List[List[Dict[str, str]]], encode, n_train: i
     seen, picked = set(), []
     for i in order:
         first = next((m["content"] for m in conversations[i] if m["role"] == "user"), "")
-        if first in seen or not is_english(first):
+        if first in seen or not is_english(first) or (accept is not None and not accept(first)):
             continue
         seen.add(first)
         ids = encode(first)
@@ -97,15 +99,28 @@ def load_keyed_examples(out, split: str, max_len: int = 0) -> Tuple[List[int], L
     return [r["key"] for r in recs], [record_example(r, max_len) for r in recs]
 
 
+PROMPT_SOURCES = {"sharegpt": "sharegpt first user turn, English",
+                  "sharegpt-code": "sharegpt first user turn, English, coding requests, eval problems excluded"}
+
+
 def distill(gen, conversations, out, n_train: int, n_val: int = 100, batch_size: int = 32,
-            max_new_tokens: int = 384, max_prompt_tokens: int = 384, seed: int = 0, progress: bool = True) -> dict:
+            max_new_tokens: int = 384, max_prompt_tokens: int = 384, seed: int = 0, progress: bool = True,
+            prompt_source: str = "sharegpt") -> dict:
     """Generate (or continue) the on-policy data set in ``out`` with ``gen`` (a :class:`poss.decode.Generator`,
-    greedy); returns the meta record."""
+    greedy); returns the meta record. ``prompt_source``: a key of :data:`PROMPT_SOURCES` (``"sharegpt-code"``
+    keeps coding requests only, none sharing text with HumanEval or GSM8K)."""
     from tqdm import tqdm
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    val, train = select_prompts(conversations, gen.encode, n_train, n_val, seed, max_prompt_tokens)
+    if prompt_source not in PROMPT_SOURCES:
+        raise ValueError(f"prompt_source {prompt_source!r}: expected one of {', '.join(PROMPT_SOURCES)}")
+    accept = None
+    if prompt_source == "sharegpt-code":
+        from poss.train.code_prompts import code_prompt_filter
+
+        accept = code_prompt_filter()
+    val, train = select_prompts(conversations, gen.encode, n_train, n_val, seed, max_prompt_tokens, accept)
     jobs = [(VAL_ID_OFFSET + k, "val", i, p) for k, (i, p) in enumerate(val)]
     jobs += [(k, "train", i, p) for k, (i, p) in enumerate(train)]
     open_for_append(out / "records.jsonl").close()  # drops a line cut by a kill before it is read
@@ -116,7 +131,7 @@ def distill(gen, conversations, out, n_train: int, n_val: int = 100, batch_size:
     meta = read_meta(out)
     recipe = {"target_fingerprint": gen.runner.fingerprint(), "dtype": str(gen.runner.dtype).replace("torch.", ""),
               "seed": seed, "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
-              "n_train": len(train), "n_val": len(val), "prompt_source": "sharegpt first user turn, English",
+              "n_train": len(train), "n_val": len(val), "prompt_source": PROMPT_SOURCES[prompt_source],
               "decoding": "greedy"}
     kept_recipe = meta.get("recipe", recipe)
     # The selection is a prefix of one seeded order, so asking for more training prompts extends the
