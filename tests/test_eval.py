@@ -75,6 +75,11 @@ def test_eval_end_to_end(tiny_folder, tmp_path):
     assert res["methods"]["eagle"]["overall"]["accept_hist"] == hist
     table = (out / "table.md").read_text()
     assert "| eagle |" in table and "2/2" in table
+    # intervals and the paired comparison of the two drafts reach results.json and the table
+    lo, hi = res["methods"]["eagle"]["overall"]["tau_ci"]
+    assert lo <= res["methods"]["eagle"]["overall"]["tau"] <= hi
+    assert [(c["a"], c["b"], c["questions"]) for c in res["comparisons"]] == [("poss-k", "eagle", 2)]
+    assert "| poss-k - eagle | 2 |" in table and "reached 3" in table
     assert (out / "pos_acc.png").stat().st_size > 0 and (out / "tau.png").stat().st_size > 0
 
     # resume: nothing left to do, the records are not duplicated

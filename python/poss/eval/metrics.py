@@ -7,7 +7,11 @@ produced ``a + 1`` tokens: the accepted ones plus the target's bonus token).
   ``a + 1``; then the mean over questions.
 - **pos-acc(n)**: among rounds that accepted at least ``n - 1`` draft tokens, the share that
   accepted at least ``n``; pooled over the rounds of a dataset (or of all datasets).
+- **reached(n)**: the rounds that tried position n (accepted at least ``n - 1``): the sample size
+  behind pos-acc(n), small deep in the tree when acceptance is low.
 - **speedup**: a method's tokens per second over the autoregressive loop's, on the same prompts.
+
+95 % intervals for tau and pos-acc (a bootstrap over questions) are in :mod:`poss.eval.intervals`.
 """
 
 from typing import Dict, List, Sequence
@@ -44,6 +48,11 @@ def pos_acc(hist: Sequence[int], depth: int) -> List[float]:
     return out
 
 
+def reached(hist: Sequence[int], depth: int) -> List[int]:
+    """``[reached(1), ..., reached(depth)]``: rounds that accepted at least ``n - 1`` draft tokens."""
+    return [sum(hist[n - 1:]) for n in range(1, depth + 1)]
+
+
 def tau_from_pos_acc(acc: Sequence[float]) -> float:
     """The tau that per-depth acceptance rates imply: ``1 + sum_n prod_{i <= n} acc[i - 1]``.
 
@@ -68,17 +77,29 @@ def speedup(tokens: int, seconds: float, base_tokens: int, base_seconds: float) 
     return (tokens / seconds) / (base_tokens / base_seconds)
 
 
-def summarize(questions: Sequence[Dict], depth: int) -> Dict:
+def question_hists(questions: Sequence[Dict]) -> List[List[int]]:
+    """Each question's accept histogram, its turns pooled."""
+    return [add_hists([t["accept_hist"] for t in q["turns"]]) for q in questions]
+
+
+def summarize(questions: Sequence[Dict], depth: int, intervals: bool = True) -> Dict:
     """Aggregate of one method on one dataset. Each question is ``{"turns": [turn, ...]}`` with a
-    turn ``{"tokens", "seconds", "accept_hist", "draft_s", "verify_s", "commit_s"}``."""
+    turn ``{"tokens", "seconds", "accept_hist", "draft_s", "verify_s", "commit_s"}``. With
+    ``intervals``, ``tau_ci`` and ``pos_acc_ci`` hold 95 % bootstrap intervals over the questions."""
     turns = [t for q in questions for t in q["turns"]]
-    qh = [add_hists([t["accept_hist"] for t in q["turns"]]) for q in questions]
+    qh = question_hists(questions)
     hist = add_hists(qh)
     rounds = sum(hist)
     secs = sum(t["seconds"] for t in turns)
-    return {"questions": len(questions), "turns": len(turns), "tokens": sum(t["tokens"] for t in turns),
+    ci = {}
+    if intervals and rounds:
+        from poss.eval.intervals import bootstrap
+
+        b = bootstrap(qh, depth)
+        ci = {"tau_ci": list(b["tau"]), "pos_acc_ci": [list(x) for x in b["pos_acc"]]}
+    return {**ci, "questions": len(questions), "turns": len(turns), "tokens": sum(t["tokens"] for t in turns),
             "seconds": secs, "rounds": rounds, "tau": mean_tau(qh), "accept_hist": hist,
-            "pos_acc": pos_acc(hist, depth),
+            "pos_acc": pos_acc(hist, depth), "reached": reached(hist, depth),
             "draft_ms_per_round": 1e3 * sum(t.get("draft_s", 0.0) for t in turns) / max(rounds, 1),
             "verify_ms_per_round": 1e3 * sum(t.get("verify_s", 0.0) for t in turns) / max(rounds, 1),
             "commit_ms_per_round": 1e3 * sum(t.get("commit_s", 0.0) for t in turns) / max(rounds, 1)}

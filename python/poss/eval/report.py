@@ -5,7 +5,8 @@ import math
 from pathlib import Path
 from typing import Dict, List
 
-from poss.eval.metrics import add_hists, mean_tau, pos_acc, speedup, summarize
+from poss.eval.intervals import paired_difference
+from poss.eval.metrics import add_hists, mean_tau, pos_acc, question_hists, speedup, summarize
 from poss.hardware import describe
 
 
@@ -26,8 +27,8 @@ def build(records: List[dict], depth: int, settings: Dict, threads=None, dtype="
         rs = [r for r in rs if (r["dataset"], r["question_id"]) in ar_recs]
         if not rs:
             return math.nan
-        a = summarize(rs, depth)
-        b = summarize([ar_recs[(r["dataset"], r["question_id"])] for r in rs], depth)
+        a = summarize(rs, depth, intervals=False)
+        b = summarize([ar_recs[(r["dataset"], r["question_id"])] for r in rs], depth, intervals=False)
         return speedup(a["tokens"], a["seconds"], b["tokens"], b["seconds"])
 
     out = {"settings": settings, "machine": describe(dtype, threads), "methods": {}}
@@ -47,11 +48,37 @@ def build(records: List[dict], depth: int, settings: Dict, threads=None, dtype="
         entry = {"draft": m["draft"], "datasets": per, "overall": overall, "identical": [same, total]}
         entry.update((extra or {}).get(name, {}))
         out["methods"][name] = entry
+    out["comparisons"] = comparisons(methods, depth)
     return out
 
 
+def comparisons(methods: Dict[str, Dict], depth: int) -> List[Dict]:
+    """Every pair of draft methods, A listed after B: A - B in tau and pos-acc per depth over the questions
+    both answered, each with its paired 95 % bootstrap interval."""
+    drafts = [n for n in methods if n not in ("ar", "hf")]
+    keyed = {n: {(r["dataset"], r["question_id"]): r for rs in methods[n]["datasets"].values() for r in rs}
+             for n in drafts}
+    out = []
+    for j, a in enumerate(drafts):
+        for b in drafts[:j]:
+            common = sorted(set(keyed[a]) & set(keyed[b]), key=str)
+            if not common:
+                continue
+            d = paired_difference(question_hists([keyed[a][k] for k in common]),
+                                  question_hists([keyed[b][k] for k in common]), depth)
+            out.append({"a": a, "b": b, "questions": len(common), "tau": list(d["tau"]),
+                        "pos_acc": [list(x) for x in d["pos_acc"]]})
+    return out
+
 def _fmt(x: float, nd=2) -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+
+
+def _fmt_ci(ci, nd=2, signed=False) -> str:
+    if not ci or any(math.isnan(v) for v in ci):
+        return ""
+    f = "+" if signed else ""
+    return f" [{ci[0]:{f}.{nd}f}, {ci[1]:{f}.{nd}f}]"
 
 
 def table(results: Dict) -> str:
@@ -59,8 +86,8 @@ def table(results: Dict) -> str:
     methods = results["methods"]
     sets = sorted({ds for m in methods.values() for ds in m["datasets"]})
     head = ("| method | " + " | ".join(f"{ds} tau | {ds} speedup" for ds in sets)
-            + " | mean tau | mean speedup | identical |")
-    lines = [head, "|" + "---|" * (2 * len(sets) + 4)]
+            + " | mean tau | mean speedup | tau, all questions [95 %] | identical |")
+    lines = [head, "|" + "---|" * (2 * len(sets) + 5)]
     for name, m in methods.items():
         cells = []
         taus, sps = [], []
@@ -75,7 +102,9 @@ def table(results: Dict) -> str:
         ms = sum(sps) / len(sps) if sps and not any(math.isnan(x) for x in sps) else float("nan")
         same, total = m["identical"]
         ident = f"{same}/{total}" if total and name != "ar" else "–"
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {_fmt(mt)} | {_fmt(ms)}× | {ident} |")
+        o = m["overall"]
+        tall = _fmt(o["tau"]) + _fmt_ci(o.get("tau_ci")) if name not in ("ar", "hf") else "–"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {_fmt(mt)} | {_fmt(ms)}× | {tall} | {ident} |")
     lines.append("")
     lines.append("tau counts the bonus token (accepted draft tokens + 1 per round); speedup is tokens/s over our "
                  "autoregressive loop (`ar`) on the same runner, prompts, dtype and threads.")
@@ -90,6 +119,34 @@ def table(results: Dict) -> str:
                      f"{_fmt(o['verify_ms_per_round'], 1)} "
                      f"| {_fmt(o['seconds'], 1)} | {_fmt(m.get('draft_params_mb', float('nan')), 1)} | "
                      + " | ".join(_fmt(x) for x in pa) + " |")
+    depth = results["settings"]["depth"]
+    drafts = [(n, m) for n, m in methods.items() if n not in ("ar", "hf")]
+    if drafts:
+        lines.append("")
+        lines.append("pos-acc(n) with its 95 % interval (bootstrap over questions), and the rounds that reached "
+                     "position n (accepted n - 1 draft tokens): the sample behind it.")
+        lines.append("")
+        lines.append("| method | " + " | ".join(f"pos-acc {n} | reached {n}" for n in range(1, depth + 1)) + " |")
+        lines.append("|" + "---|" * (1 + 2 * depth))
+        for name, m in drafts:
+            o = m["overall"]
+            cis = o.get("pos_acc_ci") or [None] * depth
+            reach = o.get("reached", [0] * depth)
+            cells = [f"{_fmt(a)}{_fmt_ci(ci)} | {r}" for a, ci, r in zip(o["pos_acc"], cis, reach)]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if results.get("comparisons"):
+        lines.append("")
+        lines.append("Paired differences A - B over the questions both answered, with 95 % intervals (paired "
+                     "bootstrap over questions; pos-acc in points).")
+        lines.append("")
+        lines.append("| A - B | questions | tau | " + " | ".join(f"pos-acc {n}" for n in range(1, depth + 1)) + " |")
+        lines.append("|" + "---|" * (3 + depth))
+        for c in results["comparisons"]:
+            d, lo, hi = c["tau"]
+            acc = [f"{100 * x:+.1f}{_fmt_ci((100 * l, 100 * h), 1, True)}" if not math.isnan(x) else "–"
+                   for x, l, h in c["pos_acc"]]
+            lines.append(f"| {c['a']} - {c['b']} | {c['questions']} | {d:+.3f}{_fmt_ci((lo, hi), 3, True)} | "
+                         + " | ".join(acc) + " |")
     mach = results["machine"]
     s = results["settings"]
     lines.append("")
@@ -108,11 +165,18 @@ def plots(results: Dict, out: Path) -> None:
     drafts = {n: m for n, m in results["methods"].items() if n not in ("ar", "hf")}
     depth = results["settings"]["depth"]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name, m in drafts.items():
-        ax.plot(range(1, depth + 1), m["overall"]["pos_acc"], marker="o", label=name)
+    for i, (name, m) in enumerate(drafts.items()):
+        acc = m["overall"]["pos_acc"]
+        ci = m["overall"].get("pos_acc_ci")
+        x = [n + 0.06 * (i - (len(drafts) - 1) / 2) for n in range(1, depth + 1)]  # side by side, not on top
+        if ci:
+            err = [[a - lo for a, (lo, _) in zip(acc, ci)], [hi - a for a, (_, hi) in zip(acc, ci)]]
+            ax.errorbar(x, acc, yerr=err, marker="o", capsize=3, label=name)
+        else:
+            ax.plot(x, acc, marker="o", label=name)
     ax.set_xlabel("draft position n")
     ax.set_ylabel("pos-acc(n)")
-    ax.set_title("Position-wise acceptance (all datasets)")
+    ax.set_title("Position-wise acceptance, 95 % intervals (all datasets)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
