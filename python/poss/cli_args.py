@@ -13,7 +13,7 @@ import struct
 import sys
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 
 class UsageError(Exception):
@@ -38,6 +38,20 @@ class Formatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 # -- value types for add_argument(type=...): argparse names the flag in the message ---------------
+
+def position_counts(text: str) -> List[int]:
+    """``"1,5"`` -> ``[1, 5]``: positive integers, comma-separated (a specialist schedule)."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 1,5, got {text!r}")
+    return values
+
+
+position_counts.__name__ = "list of positions"
+
 
 def int_at_least(low: int, high: Optional[int] = None):
     def parse(text: str) -> int:

@@ -37,12 +37,14 @@ def tiny_target(vocab=300, layer_scale=0.1, seed=0, dtype=torch.float32, **over)
     return model.to(dtype)
 
 
-def random_draft(runner, n=1, ppl=1, seed=0, aligned=False, draft_vocab=0):
+def random_draft(runner, n=1, ppl=1, seed=0, aligned=False, draft_vocab=0, schedule=(), fc_per_specialist=False):
     """A randomly initialised PosS draft on ``runner``. ``aligned``: fc passes the token embedding
     through and the specialists add little, so the draft guesses the target's bigram map.
-    ``draft_vocab = K``: a reduced draft vocabulary of K random token ids (seeded)."""
+    ``draft_vocab = K``: a reduced draft vocabulary of K random token ids (seeded). ``schedule`` /
+    ``fc_per_specialist``: a depth-aware layout (:class:`DraftConfig`)."""
     cfg = DraftConfig.for_target(runner.config, "tiny", runner.fingerprint(), n_specialists=n,
-                                 positions_per_specialist=ppl, fc_bias=True, draft_vocab=draft_vocab)
+                                 positions_per_specialist=ppl, fc_bias=True, draft_vocab=draft_vocab,
+                                 schedule=list(schedule), fc_per_specialist=fc_per_specialist)
     torch.manual_seed(seed)
     d = PosSDraft(cfg)
     if draft_vocab:
@@ -52,9 +54,10 @@ def random_draft(runner, n=1, ppl=1, seed=0, aligned=False, draft_vocab=0):
         for name, p in d.named_parameters():
             p.copy_(torch.randn_like(p) * (0.05 if p.dim() == 2 else 0.2) + (1.0 if "post_norm" in name else 0.0))
         if aligned:
-            d.fc.weight.mul_(0.1)
-            d.fc.weight[:, :H] += torch.diag(runner.final_norm_w.float())  # the target head sees norm(h) * w
-            d.fc.bias.zero_()
+            for fc in {id(d.fc_for(j)): d.fc_for(j) for j in range(n)}.values():
+                fc.weight.mul_(0.1)
+                fc.weight[:, :H] += torch.diag(runner.final_norm_w.float())  # the target head sees norm(h) * w
+                fc.bias.zero_()
             for layer in d.layers:
                 layer.o_proj.weight.mul_(0.02)
                 layer.down_proj.weight.mul_(0.02)

@@ -1,4 +1,4 @@
-"""The PosS draft: a shared fusion layer ``fc`` plus N position specialists (PosS paper §1).
+"""The PosS draft: a fusion layer ``fc`` (shared, or one per specialist) plus N position specialists (PosS paper §1).
 
 Specialist j (:class:`poss.models.specialist.Specialist`) is a Llama decoder layer without input
 norm, with its own q/k/v/o, post-attention RMSNorm, SwiGLU MLP and KV cache. The embedding and lm_head
@@ -9,7 +9,7 @@ the same fused ``poss::specialist_forward`` op.
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -28,7 +28,11 @@ class PosSDraft(nn.Module):
     def __init__(self, config: DraftConfig):
         super().__init__()
         self.config = config
-        self.fc = nn.Linear(2 * config.hidden, config.hidden, bias=config.fc_bias)
+        if config.fc_per_specialist:
+            self.fcs = nn.ModuleList(nn.Linear(2 * config.hidden, config.hidden, bias=config.fc_bias)
+                                     for _ in range(config.n_specialists))
+        else:
+            self.fc = nn.Linear(2 * config.hidden, config.hidden, bias=config.fc_bias)
         self.layers = nn.ModuleList(Specialist(config) for _ in range(config.n_specialists))
         if config.draft_vocab:
             # Reduced vocabulary: full-vocabulary ids of the K tokens the draft scores (saved with the weights).
@@ -91,6 +95,10 @@ class PosSDraft(nn.Module):
     def specialist_for(self, position: int) -> int:
         return self.config.specialist_for(position)
 
+    def fc_for(self, j: int) -> nn.Linear:
+        """The fusion layer specialist ``j`` runs on (the shared ``fc`` unless each has its own)."""
+        return self.fcs[j] if self.config.fc_per_specialist else self.fc
+
     # -- forward ---------------------------------------------------------------------------------
     def step(self, j: int, tokens: Tensor, features: Tensor, positions: Tensor, parents: Tensor,
              prefix_len: Tensor, check_capacity: bool = True, eager: bool = False) -> Tensor:
@@ -110,13 +118,14 @@ class PosSDraft(nn.Module):
             self.caches.check_fits(prefix_len, parents.shape[1])
         k, v = self.caches.layer(j)
         e = nn.functional.embedding(tokens, embed).to(features.dtype)
+        fc = self.fc_for(j)
         if eager:
-            (u,) = fuse(self.fc, e, [features])
+            (u,) = fuse(fc, e, [features])
             return self.layers[j](u, k[:B], v[:B], prefix_len, parents, positions, inv_freq)
         c = self.config
         with torch.no_grad():
             return poss_ext.ops.specialist_forward(
-                e, features, self.fc.weight, self.fc.bias, *self.layers[j].fused_weights(), k[:B], v[:B],
+                e, features, fc.weight, fc.bias, *self.layers[j].fused_weights(), k[:B], v[:B],
                 prefix_len, parents, positions, inv_freq, c.heads, c.kv_heads, c.rms_eps)
 
     def head_rows(self, lm_head: Tensor) -> Tensor:
@@ -190,10 +199,28 @@ class PosSDraft(nn.Module):
         ``state_dict`` holds this class's names for one draft layer: ``fc.*``, ``layers.0.*`` and, for a
         reduced draft vocabulary, ``token_map``; the layer is copied into all ``config.n_specialists`` specialists.
         """
-        sd = {k: v for k, v in state_dict.items() if k.startswith("fc.") or k == "token_map"}
-        layer = {k[len("layers.0."):]: v for k, v in state_dict.items() if k.startswith("layers.0.")}
-        for j in range(config.n_specialists):
-            sd.update({f"layers.{j}.{k}": v.clone() for k, v in layer.items()})
+        return cls.from_layers([state_dict] * config.n_specialists, config)
+
+    @classmethod
+    def from_layers(cls, state_dicts: List[Dict[str, Tensor]], config: DraftConfig) -> "PosSDraft":
+        """Specialist j initialised from single-layer draft ``state_dicts[j]`` (e.g. position 1's from a
+        trained EAGLE-2 draft, the deeper ones from HASS's). Each entry holds ``fc.*``, ``layers.0.*`` and,
+        for a reduced vocabulary, ``token_map`` (the same in every entry). With ``fc_per_specialist`` each
+        specialist takes its source's ``fc``, else the shared ``fc`` is the first source's."""
+        if len(state_dicts) != config.n_specialists:
+            raise ValueError(f"{len(state_dicts)} source layers for {config.n_specialists} specialists")
+        maps = [sd.get("token_map") for sd in state_dicts]
+        if any((m is None) != (maps[0] is None) or (m is not None and not torch.equal(m, maps[0])) for m in maps):
+            raise ValueError("the source drafts score different vocabularies (their token_map differ)")
+        sd = {} if maps[0] is None else {"token_map": maps[0]}
+        for j, src in enumerate(state_dicts):
+            fc = {k[len("fc."):]: v for k, v in src.items() if k.startswith("fc.")}
+            if config.fc_per_specialist:
+                sd.update({f"fcs.{j}.{k}": v.clone() for k, v in fc.items()})
+            elif j == 0:
+                sd.update({f"fc.{k}": v for k, v in fc.items()})
+            sd.update({f"layers.{j}.{k[len('layers.0.'):]}": v.clone() for k, v in src.items()
+                       if k.startswith("layers.0.")})
         model = cls(config)
         model.load_state_dict(sd, strict=True)
         return model

@@ -3,7 +3,7 @@
 import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Dict
+from typing import Dict, List
 
 DRAFT_VOCABS = ("trained", "full")  # PosSDraft.load's vocab: the rows of the target's lm_head a draft scores
 
@@ -13,7 +13,10 @@ class DraftConfig:
     """Everything needed to rebuild a PosS draft; stored as ``config.json`` beside the weights.
 
     ``n_specialists = 1`` is EAGLE-2 / HASS. Draft position p (1-based) uses specialist
-    ``min((p - 1) // positions_per_specialist, n_specialists - 1)``.
+    ``min((p - 1) // positions_per_specialist, n_specialists - 1)``, or, with a ``schedule`` (how many
+    positions each specialist drafts, e.g. ``[1, 5]``: specialist 0 drafts position 1, specialist 1
+    positions 2-6), the specialist whose span holds p; the last one also drafts every deeper position.
+    ``fc_per_specialist``: each specialist has its own fusion layer ``fc`` (the PosS reference ties one).
     """
 
     hidden: int
@@ -27,6 +30,8 @@ class DraftConfig:
     n_specialists: int = 1
     positions_per_specialist: int = 1
     fc_bias: bool = True
+    schedule: List[int] = field(default_factory=list)  # positions per specialist; [] = positions_per_specialist
+    fc_per_specialist: bool = False
     draft_vocab: int = 0  # K > 0: the draft scores only K tokens (its ``token_map``); 0: the full vocabulary
     target_name: str = ""
     target_fingerprint: str = ""
@@ -42,6 +47,11 @@ class DraftConfig:
             raise ValueError("n_specialists and positions_per_specialist must be >= 1")
         if self.heads % self.kv_heads:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if self.schedule:
+            if (not isinstance(self.schedule, list) or len(self.schedule) != self.n_specialists
+                    or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in self.schedule)):
+                raise ValueError(f"schedule must list a positive number of positions for each of the "
+                                 f"{self.n_specialists} specialists, got {self.schedule!r}")
         if not 0 <= self.draft_vocab <= self.vocab:
             raise ValueError(f"draft_vocab must be in [0, vocab={self.vocab}], got {self.draft_vocab}")
 
@@ -49,6 +59,13 @@ class DraftConfig:
         """Specialist index drafting 1-based draft position ``position``."""
         if position < 1:
             raise ValueError(f"draft positions are 1-based, got {position}")
+        if self.schedule:
+            end = 0
+            for j, n in enumerate(self.schedule):
+                end += n
+                if position <= end:
+                    return j
+            return len(self.schedule) - 1
         return min((position - 1) // self.positions_per_specialist, self.n_specialists - 1)
 
     def save(self, path: Path) -> None:

@@ -5,7 +5,16 @@ import json
 import sys
 from pathlib import Path
 
-from poss.cli_args import Formatter, UsageError, check_draft, check_target, float_in, int_at_least, target_help
+from poss.cli_args import (
+    Formatter,
+    UsageError,
+    check_draft,
+    check_target,
+    float_in,
+    int_at_least,
+    position_counts,
+    target_help,
+)
 
 
 def add_train_parser(sub) -> argparse.ArgumentParser:
@@ -18,7 +27,17 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--positions-per-specialist", type=int_at_least(1), default=1,
                    help="PosS-n: n positions per specialist")
     p.add_argument("--out", default=None, help="run directory: checkpoints, metrics.jsonl, final draft/")
-    p.add_argument("--init-from", default=None, help="trained EAGLE-2 draft folder copied into every specialist")
+    p.add_argument("--init-from", default=None, nargs="+", metavar="DRAFT",
+                   help="trained single-layer draft copied into every specialist; with two folders, specialist 0 "
+                        "starts from the first (e.g. EAGLE-2) and the later ones from the second (e.g. HASS)")
+    p.add_argument("--specialists", type=position_counts, default=None, metavar="N1,N2,...",
+                   help="depth-aware layout (--method poss): positions each specialist drafts, e.g. 1,5 = one "
+                        "specialist for position 1 and one for positions 2-6 (overrides --positions-per-specialist)")
+    p.add_argument("--fc-per-specialist", action="store_true",
+                   help="give each specialist its own fusion layer fc (default: one shared fc, as the PosS reference)")
+    p.add_argument("--position-weights", default="uniform", metavar="SPEC",
+                   help="loss weight per drafted position: uniform (the paper), eagle3 (0.8^k), "
+                        "reach:a1,a2,... (products of measured pos-acc), or one weight per step")
     p.add_argument("--resume", action="store_true", help="continue from OUT/trainer_state.pt")
     p.add_argument("--max-len", type=int_at_least(2), default=1024, help="tokens per conversation at most")
     p.add_argument("--train-size", type=int_at_least(1), default=1000, help="training conversations")
@@ -111,7 +130,20 @@ def check_train_arguments(args) -> None:
     if args.validate is not None and not (Path(args.validate) / "config.json").is_file():
         raise UsageError(f"--validate expects a draft folder with config.json, got {args.validate!r}")
     check_target(args.target)
-    check_draft(args.init_from, "--init-from")
+    if args.init_from is not None and len(args.init_from) > 2:
+        raise UsageError(f"--init-from takes one or two draft folders, got {len(args.init_from)}")
+    for folder in args.init_from or []:
+        check_draft(folder, "--init-from")
+    if args.specialists is not None and args.method != "poss":
+        raise UsageError(f"--specialists needs --method poss, not {args.method}")
+    if args.fc_per_specialist and args.method != "poss":
+        raise UsageError(f"--fc-per-specialist needs --method poss, not {args.method}")
+    from poss.train.objective import position_weights
+
+    try:
+        position_weights(args.position_weights, args.steps or {"eagle2": 1, "hass": 3, "poss": 6}[args.method])
+    except ValueError as e:
+        raise UsageError(f"--position-weights: {e}") from None
     if args.data is not None and not Path(args.data).is_dir():
         raise UsageError(f"--data: {args.data!r} is not a folder (expected a `poss distill` output folder)")
     if args.train_start and args.data is None:
@@ -139,6 +171,8 @@ def run_train(args) -> int:
         shutdown(info)
         return 0
     cfg = TrainConfig(method=args.method, steps=args.steps, positions_per_specialist=args.positions_per_specialist,
+                      specialists=args.specialists, fc_per_specialist=args.fc_per_specialist,
+                      position_weights=args.position_weights,
                       epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, topk_weight=args.topk_weight,
                       v_weight=args.feature_weight, p_weight=args.token_weight,
                       noise_std=args.noise_std, checkpoint_minutes=args.checkpoint_minutes, seed=args.seed,

@@ -7,7 +7,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -19,7 +19,7 @@ from poss.train import checkpoint as ckpt
 from poss.train.data import Example, collate, data_fingerprint
 from poss.train.ddp import DistInfo, average_gradients, broadcast_parameters
 from poss.train.features import VAL_ID_OFFSET, make_features
-from poss.train.objective import Objective, make_batch, run_steps
+from poss.train.objective import Objective, make_batch, position_weights, run_steps
 from poss.train.validate import evaluate
 
 METHODS = ("eagle2", "hass", "poss")
@@ -30,6 +30,11 @@ class TrainConfig:
     method: str = "poss"
     steps: Optional[int] = None  # default: eagle2 1, hass 3, poss 6
     positions_per_specialist: int = 1
+    # A depth-aware layout: how many positions each specialist drafts (e.g. [1, 5]); overrides
+    # positions_per_specialist. The last specialist also drafts every deeper position.
+    specialists: Optional[List[int]] = None
+    fc_per_specialist: bool = False  # each specialist its own fc (the PosS reference ties one)
+    position_weights: str = "uniform"  # see poss.train.objective.position_weights
     epochs: int = 1
     batch_size: int = 1
     lr: float = 3e-5
@@ -58,12 +63,26 @@ class TrainConfig:
             raise ValueError("eagle2 trains exactly one teacher-forced step (steps=1)")
         if self.steps < 1 or self.positions_per_specialist < 1:
             raise ValueError("steps and positions_per_specialist must be >= 1")
+        if self.specialists is not None:
+            self.specialists = list(self.specialists)
+            if self.method != "poss":
+                raise ValueError(f"specialists (a specialist schedule) needs method 'poss', not {self.method!r}")
+            if not self.specialists or any(not isinstance(n, int) or n < 1 for n in self.specialists):
+                raise ValueError(f"specialists must be positive position counts, got {self.specialists!r}")
+            if sum(self.specialists[:-1]) >= self.steps:
+                raise ValueError(f"specialists {self.specialists}: the last specialist starts at position "
+                                 f"{sum(self.specialists[:-1]) + 1}, past the {self.steps} trained steps")
+        if self.fc_per_specialist and self.method != "poss":
+            raise ValueError("fc_per_specialist needs method 'poss' (a single-layer draft has one fc)")
+        position_weights(self.position_weights, self.steps)  # raises on a malformed value
         self.betas = tuple(self.betas)
 
     @property
     def n_specialists(self) -> int:
         if self.method != "poss":
             return 1
+        if self.specialists is not None:
+            return len(self.specialists)
         return math.ceil(self.steps / self.positions_per_specialist)
 
     @property
@@ -76,38 +95,61 @@ class TrainConfig:
         return torch.bfloat16 if self.autocast == "bf16" else None
 
     def objective(self) -> Objective:
-        return Objective(self.steps, self.v_weight, self.p_weight, self.topk_weight)
+        return Objective(self.steps, self.v_weight, self.p_weight, self.topk_weight,
+                         position_weights=position_weights(self.position_weights, self.steps))
 
 
-def new_draft(runner: TargetRunner, cfg: TrainConfig, target_name: str, init_from: Optional[str] = None,
+InitFrom = Union[None, str, Sequence[str]]
+
+
+def init_sources(init_from: InitFrom) -> List[str]:
+    """``--init-from`` as a list of draft folders: none, one (every specialist), or two (specialist 0 from
+    the first, e.g. a trained EAGLE-2 draft; the later specialists from the second, e.g. HASS)."""
+    if not init_from:
+        return []
+    srcs = [init_from] if isinstance(init_from, (str, Path)) else [str(s) for s in init_from]
+    if len(srcs) > 2:
+        raise ValueError(f"init_from takes one or two draft folders, got {len(srcs)}")
+    return [str(s) for s in srcs]
+
+
+def new_draft(runner: TargetRunner, cfg: TrainConfig, target_name: str, init_from: InitFrom = None,
               seed: int = 0, token_map: Optional[torch.Tensor] = None) -> PosSDraft:
-    """A fresh draft shaped like the target; ``init_from`` copies a trained single-layer draft into every specialist.
+    """A fresh draft shaped like the target; ``init_from`` copies trained single-layer drafts into the
+    specialists (:func:`init_sources`).
 
     ``token_map [K] int64``: a reduced draft vocabulary (an ``init_from`` draft brings its own, which wins).
     """
-    src = PosSDraft.load(init_from) if init_from else None
-    if src is not None and src.token_map is not None:
-        token_map = src.token_map
+    srcs = [PosSDraft.load(p) for p in init_sources(init_from)]
+    if srcs and srcs[0].token_map is not None:
+        token_map = srcs[0].token_map
     dc = DraftConfig.for_target(runner.config, target_name, runner.fingerprint(), n_specialists=cfg.n_specialists,
                                 positions_per_specialist=cfg.draft_positions_per_specialist, fc_bias=True,
-                                draft_vocab=0 if token_map is None else int(token_map.numel()))
+                                draft_vocab=0 if token_map is None else int(token_map.numel()),
+                                schedule=list(cfg.specialists or []), fc_per_specialist=cfg.fc_per_specialist)
     torch.manual_seed(seed)
-    if src is None:
+    if not srcs:
         draft = PosSDraft(dc)
         if token_map is not None:
             draft.token_map.copy_(token_map)
         return draft
-    src.config.check_target(dc.target_fingerprint, what=str(init_from))
-    return PosSDraft.from_single_layer(src.state_dict(), dc)
+    for path, src in zip(init_sources(init_from), srcs):
+        src.config.check_target(dc.target_fingerprint, what=path)
+        if src.config.n_specialists != 1:
+            raise ValueError(f"init_from {path}: expected a single-layer draft (EAGLE-2 / HASS), it has "
+                             f"{src.config.n_specialists} specialists")
+    layers = [srcs[0].state_dict()] + [srcs[-1].state_dict()] * (dc.n_specialists - 1)
+    return PosSDraft.from_layers(layers, dc)
 
 
-def init_record(init_from: Optional[str]) -> Optional[Dict]:
-    """The ``--init-from`` draft as a trained draft's config records it: its folder (as given) and its own
+def init_record(init_from: InitFrom) -> Optional[Dict]:
+    """The ``--init-from`` draft(s) as a trained draft's config records them: folder (as given) and its own
     ``training`` record (epochs, token-passes, validation), so a model card can say where training started."""
-    if not init_from:
+    srcs = init_sources(init_from)
+    if not srcs:
         return None
-    cfg = json.loads((Path(init_from) / "config.json").read_text())
-    return {"path": str(init_from), "training": cfg.get("training")}
+    recs = [{"path": p, "training": json.loads((Path(p) / "config.json").read_text()).get("training")} for p in srcs]
+    return recs[0] if len(recs) == 1 else {"path": [r["path"] for r in recs], "sources": recs}
 
 
 def linear_schedule(optimizer, total: int, warmup: int):
@@ -138,7 +180,7 @@ class Trainer:
     """
 
     def __init__(self, runner: TargetRunner, cfg: TrainConfig, train_examples: List[Example],
-                 val_examples: List[Example], out_dir, target_name: str = "", init_from: Optional[str] = None,
+                 val_examples: List[Example], out_dir, target_name: str = "", init_from: InitFrom = None,
                  feature_cache: Optional[str] = None,
                  info: DistInfo = DistInfo(), data_info: Optional[dict] = None, progress_bar: bool = True,
                  token_map: Optional[torch.Tensor] = None, train_ids: Optional[Sequence[int]] = None):
@@ -175,7 +217,8 @@ class Trainer:
         example order (seed, global batch) and the learning-rate schedule (epochs, lr, warmup)."""
         cfg = self.cfg
         return {"train_fingerprint": self.data_info["train_fingerprint"], "method": cfg.method, "steps": cfg.steps,
-                "positions_per_specialist": cfg.positions_per_specialist, "seed": cfg.seed,
+                "positions_per_specialist": cfg.positions_per_specialist, "specialists": cfg.specialists,
+                "fc_per_specialist": cfg.fc_per_specialist, "position_weights": cfg.position_weights, "seed": cfg.seed,
                 "global_batch": self.global_batch, "epochs": cfg.epochs, "lr": cfg.lr, "warmup_frac": cfg.warmup_frac}
 
     def resume(self) -> bool:

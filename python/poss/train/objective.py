@@ -28,6 +28,41 @@ class Objective:
     topk_weight: float = 0.0
     topk: int = 10
     chunk: int = 128  # rows per lm_head chunk in the distillation loss
+    # Loss weight of step k (drafting position k + 1); None: 1 for every step, as in the paper.
+    position_weights: Optional[List[float]] = None
+
+    def weight(self, k: int) -> float:
+        return 1.0 if self.position_weights is None else float(self.position_weights[k])
+
+
+def position_weights(spec: str, steps: int) -> Optional[List[float]]:
+    """The per-step loss weights a ``--position-weights`` value names, or None for uniform.
+
+    ``uniform``; ``eagle3``: ``0.8 ** k`` (EAGLE-3's decay); ``reach:a1,a2,...``: the chance a round
+    reaches each position given measured pos-acc rates ``a_i`` (weight of position n = a_1 ... a_{n-1},
+    so position 1 weighs 1); or ``w1,w2,...``: one weight per step. Raises ``ValueError`` naming the form.
+    """
+    spec = spec.strip()
+    if spec == "uniform":
+        return None
+    if spec == "eagle3":
+        return [0.8 ** k for k in range(steps)]
+    try:
+        if spec.startswith("reach:"):
+            acc = [float(x) for x in spec[len("reach:"):].split(",")]
+            if len(acc) < steps - 1 or not all(0 < a <= 1 for a in acc):
+                raise ValueError
+            w = [1.0]
+            for a in acc[:steps - 1]:
+                w.append(w[-1] * a)
+            return w
+        w = [float(x) for x in spec.split(",")]
+    except ValueError:
+        raise ValueError(f"position weights {spec!r}: expected uniform, eagle3, reach:a1,...,a{steps - 1} "
+                         f"(pos-acc rates in (0, 1]) or {steps} comma-separated weights") from None
+    if len(w) != steps or not all(x >= 0 for x in w) or not any(w):
+        raise ValueError(f"position weights {spec!r}: expected {steps} non-negative weights, not all zero")
+    return w
 
 
 def specialist_levels(draft: PosSDraft, j: int, embeds: Tensor, levels: List[Tensor], cos: Tensor,
@@ -39,7 +74,7 @@ def specialist_levels(draft: PosSDraft, j: int, embeds: Tensor, levels: List[Ten
     specialist (:class:`poss.models.specialist.Specialist`) with aligned attention over the levels in
     place of tree attention over a KV cache.
     """
-    us = fuse(draft.fc, embeds, levels)
+    us = fuse(draft.fc_for(j), embeds, levels)
     return draft.layers[j].layer(us, cos, sin, aligned_attention)
 
 
@@ -208,7 +243,7 @@ def run_steps(draft: PosSDraft, batch: Batch, embed: Tensor, lm_head: Tensor, in
         g = specialist_levels(draft, j, embeds, levels, cos, sin)
         m = step_losses(g, batch, lm_head, obj)
         if backward:
-            m["loss"].backward()
+            (m["loss"] * obj.weight(k)).backward()  # the reported loss stays unweighted
         m["loss"] = m["loss"].detach()
         if keep_outputs:
             m["g"], m["levels"] = g.detach(), list(levels)
