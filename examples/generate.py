@@ -1,4 +1,4 @@
-"""The draft/verify loop from Python (README: Generation).
+"""The draft/verify loop from Python (README.md § In Python; more in docs/decoding.md).
 
     python examples/generate.py [--tiny]
 

@@ -1,4 +1,6 @@
-"""The model layer: an offline target, the static-cache runner and a PosS draft (README: Models).
+"""The model layer: an offline target, the static-cache runner and a PosS draft.
+
+(docs/models.md § Models: offline targets, the static-cache runner and the PosS draft)
 
     python examples/models.py
 

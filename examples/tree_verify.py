@@ -1,4 +1,4 @@
-"""torch.ops.poss.tree_verify on a hand-made tree (README: the op's call).
+"""torch.ops.poss.tree_verify on a hand-made tree (docs/ops.md § Ops: `torch.ops.poss.*`).
 
     python examples/tree_verify.py
 
