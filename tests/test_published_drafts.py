@@ -331,3 +331,20 @@ def test_smollm2_shipped_hass_exported_decodes_as_shipped(tmp_path):
     got = poss.load("smollm2-135m", draft=tmp_path / "hass-eagle", **kw).generate(prompts, 32)
     assert got.token_ids == want.token_ids
     assert [s.accept_hist for s in got.stats] == [s.accept_hist for s in want.stats]
+
+
+def test_checkpoint_files_refuse_broken_shards(tmp_path):
+    state = {"a": torch.arange(6.0), "b": torch.ones(3, dtype=torch.float16), "c": torch.zeros(2, dtype=torch.int64)}
+    files = write_weights(tmp_path, state, "bin", max_shard_bytes=16)
+    assert [f.name for f in files] == ["pytorch_model-00001-of-00003.bin", "pytorch_model-00002-of-00003.bin",
+                                       "pytorch_model-00003-of-00003.bin", "pytorch_model.bin.index.json"]
+    assert_same_tensors(read_weights(tmp_path)[0], state)
+    index = json.loads((tmp_path / "pytorch_model.bin.index.json").read_text())
+    assert index["metadata"]["total_size"] == 24 + 6 + 16
+    index["weight_map"]["d"] = index["weight_map"]["a"]
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="lists tensors no shard holds: d"):
+        read_weights(tmp_path)
+    files[1].unlink()
+    with pytest.raises(ValueError, match="names shards that are not in .*pytorch_model-00002-of-00003.bin"):
+        read_weights(tmp_path)

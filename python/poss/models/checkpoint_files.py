@@ -75,7 +75,7 @@ def read_weights(folder) -> Tuple[Dict[str, Tensor], str, List[Path]]:
             raise ValueError(f"{f}: tensors also in another shard: {', '.join(twice[:5])}")
         state.update(part)
     index = Path(folder) / _INDEX[fmt]
-    if len(files) > 1 or (index.is_file() and not (Path(folder) / _WHOLE[fmt]).is_file()):
+    if files[0].name != _WHOLE[fmt]:  # read through the index
         absent = sorted(set(_weight_map(index)) - set(state))
         if absent:
             raise ValueError(f"{index} lists tensors no shard holds: {', '.join(absent[:10])}")
@@ -85,15 +85,14 @@ def read_weights(folder) -> Tuple[Dict[str, Tensor], str, List[Path]]:
 def read_names(folder) -> List[str]:
     """The tensor names in ``folder``'s weight files, read without loading the tensors where the format allows."""
     fmt, files = weight_files(folder)
-    index = Path(folder) / _INDEX[fmt]
-    if fmt == "safetensors" and len(files) == 1 and files[0].name == _WHOLE[fmt]:
+    if files[0].name != _WHOLE[fmt]:  # sharded: the index names every tensor
+        return sorted(_weight_map(Path(folder) / _INDEX[fmt]))
+    if fmt == "safetensors":
         from safetensors import safe_open
 
         with safe_open(str(files[0]), framework="pt") as f:
             return sorted(f.keys())
-    if index.is_file() and not (Path(folder) / _WHOLE[fmt]).is_file():
-        return sorted(_weight_map(index))
-    return sorted(read_weights(folder)[0])
+    return sorted(_read_one(files[0], fmt))
 
 
 def write_weights(folder, state: Dict[str, Tensor], fmt: str = "safetensors",
