@@ -68,8 +68,8 @@ def check_target(conv: Converted, runner, where: str) -> None:
         raise ValueError(f"{where} was made for target weights {c.target_fingerprint} ({c.target_name!r}), "
                          f"this target is {runner.fingerprint()}")
     e = conv.embed
-    if e is None:
-        return
+    if e is None or (isinstance(c, Eagle3Config) and c.hidden != c.target_hidden):
+        return  # none, or an EAGLE-3 draft's own (narrower) embedding rather than the target's
     if tuple(e.shape) != tuple(runner.embed.shape):
         raise ValueError(f"{where}: its embed_tokens.weight is {tuple(e.shape)}, "
                          f"the target's {tuple(runner.embed.shape)}")

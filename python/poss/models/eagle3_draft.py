@@ -115,7 +115,11 @@ class Eagle3Draft:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{d / 'config.json'}: unknown keys {unknown}")
-        return cls(Eagle3Config(**data), load_file(str(d / "model.safetensors")))
+        try:
+            config = Eagle3Config(**data)
+        except TypeError as e:  # a required field absent
+            raise ValueError(f"{d / 'config.json'}: {e}") from None
+        return cls(config, load_file(str(d / "model.safetensors")))
 
 
 def is_eagle3_folder(config: Optional[dict]) -> bool:
