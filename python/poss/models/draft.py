@@ -18,7 +18,9 @@ from torch import Tensor, nn
 import poss_ext
 from poss.huge_pages import pack_on_huge_pages
 from poss.models.draft_config import DRAFT_VOCABS, DraftConfig
+from poss.models.draft_interop import load_foreign
 from poss.models.kv_cache import StaticKVCache
+from poss.models.published import layout_of
 from poss.models.specialist import Specialist, fuse
 
 
@@ -52,6 +54,8 @@ class PosSDraft(nn.Module):
         self.config.check_target(runner.fingerprint())
         if runner.hidden_size != self.config.hidden:
             raise ValueError(f"draft hidden {self.config.hidden} != target hidden {runner.hidden_size}")
+        if runner.lm_head.shape[0] != self.config.vocab:
+            raise ValueError(f"draft vocabulary {self.config.vocab} != target vocabulary {runner.lm_head.shape[0]}")
         return self.attach_tensors(runner.embed, runner.lm_head, runner.inv_freq, max_batch, max_seq)
 
     def attach_tensors(self, embed: Tensor, lm_head: Tensor, inv_freq: Tensor, max_batch: int,
@@ -179,10 +183,15 @@ class PosSDraft(nn.Module):
         specialists are trained to reproduce the target's features, so the rows outside the K score
         those features as the target would: the same weights propose tokens the K leaves out, at the
         cost of a head V/K times larger (PosS-2, K 8,192: 3-4 % more tokens per round on MT-Bench,
-        docs/training.md)."""
+        docs/training.md).
+
+        A folder in a published layout (EAGLE-1/2, HASS, the PosS reference; docs/interop.md) is
+        converted as it loads (:func:`poss.models.draft_interop.load_foreign`)."""
         if vocab not in DRAFT_VOCABS:
             raise ValueError(f"vocab must be one of {', '.join(DRAFT_VOCABS)}, got {vocab!r}")
         d = Path(directory)
+        if layout_of(d) != "poss":
+            return load_foreign(d, dtype=dtype, device=device, vocab=vocab)
         config = DraftConfig.load(d / "config.json")
         state = load_file(str(d / "model.safetensors"))
         if vocab == "full" and config.draft_vocab:
