@@ -211,3 +211,13 @@ def test_train_flags_are_checked_before_any_model_loads(argv, match, tmp_path, c
         rc = e.code
     assert rc not in (0, None)
     assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("untied,schedule", [(True, [1, 5]), (False, [1, 5])])
+def test_layouts_without_a_published_form_are_not_exported(runner, tmp_path, untied, schedule):
+    from poss.models.draft_interop import export_draft
+
+    d = random_draft(runner, n=2, schedule=schedule, fc_per_specialist=untied)
+    d.save(tmp_path / "d")
+    with pytest.raises(ValueError, match="no exact form"):
+        export_draft(tmp_path / "d", "poss-ref", tmp_path / "out", embed=runner.embed)

@@ -342,6 +342,12 @@ def to_eagle(config: DraftConfig, state: Dict[str, Tensor], layout: str, embed: 
     if layout == "eagle" and config.n_specialists > 1:
         raise ValueError(f"the EAGLE layout holds one layer and this draft has {config.n_specialists} "
                          "specialists: export it as poss-ref")
+    if config.fc_per_specialist:
+        raise ValueError("this draft gives each specialist its own fc; the EAGLE and PosS reference layouts hold "
+                         "one shared fc, so it has no exact form there")
+    if config.schedule and config.schedule != [config.positions_per_specialist] * config.n_specialists:
+        raise ValueError(f"this draft's specialists draft {config.schedule} positions each; the PosS reference "
+                         "gives every specialist the same number, so it has no exact form there")
     if layout == "poss-ref" and embed is None:
         raise ValueError("the PosS reference loads its checkpoint strictly, embed_tokens.weight included: "
                          "give the target (--target) so its embedding can be written")
