@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from poss.cli import main
-from poss.cli_args import registry_names
+from poss.cli.args import registry_names
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -153,7 +153,7 @@ def test_draft_and_no_draft(tmp_path, capsys):
 
 
 def test_debug_shows_the_traceback():
-    from poss.cli_args import UsageError
+    from poss.cli.args import UsageError
 
     with pytest.raises(UsageError):
         main(["--debug", "generate", "--prompt", "hi", "--top-p", "2"])
@@ -240,15 +240,9 @@ def lines(*items):
 
 
 def run_chat(gen, read, capsys):
-    import poss.decode.cli as dc
-    from poss.decode.cli import _speed_line, chat_loop  # noqa: F401
+    from poss.cli.chat import chat_loop
 
-    orig = dc._speed_line
-    dc._speed_line = lambda stats: "[speed]"
-    try:
-        rc = chat_loop(gen, {}, read=read)
-    finally:
-        dc._speed_line = orig
+    rc = chat_loop(gen, {}, read=read, speed=lambda stats: "[speed]")
     return rc, capsys.readouterr()
 
 
