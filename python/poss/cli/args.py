@@ -220,7 +220,8 @@ def chosen_draft(args, prog: str):
 def nonempty_text(text: str) -> str:
     """A ``--prompt``: text with something in it besides whitespace."""
     if not text.strip():
-        raise argparse.ArgumentTypeError(f"expected a non-empty message, got {text!r}")
+        got = "an empty one" if not text else "only whitespace"
+        raise argparse.ArgumentTypeError(f"expected a non-empty message, got {got}")
     return text
 
 
@@ -308,6 +309,11 @@ def tree_from_args(args):
                                 str(e))) from None
 
 
+def add_beam_width(p) -> None:
+    p.add_argument("--beam-width", "--top-k-draft", dest="beam_width", type=int_at_least(1), default=10,
+                   help="children kept per frontier node and frontier size per level (EAGLE's top-k)")
+
+
 def add_tree(p, auto: bool = True, vocab_help: str = ""):
     """The draft tree flags. ``auto``: each size may be ``auto`` (timed on this machine), and the lookup
     datastore and ``--retune`` come with them; else fixed sizes (the paper's comparison runs fixed trees)."""
@@ -323,8 +329,7 @@ def add_tree(p, auto: bool = True, vocab_help: str = ""):
         t.add_argument("--num-nodes", type=int_at_least(2, 256), default=60,
                        help="nodes verified per round, root included")
         t.add_argument("--depth", type=int_at_least(1), default=6, help="draft positions below the root")
-    t.add_argument("--beam-width", "--top-k-draft", dest="beam_width", type=int_at_least(1), default=10,
-                   help="children kept per frontier node and frontier size per level (EAGLE's top-k)")
+    add_beam_width(t)
     if auto:
         t.add_argument("--lookup", type=int_or_auto(0), default="auto", help=LOOKUP_HELP)
         t.add_argument("--datastore", type=datastore_arg, default="auto", help=DATASTORE_HELP)

@@ -5,12 +5,12 @@ import json
 
 from poss.cli.args import (
     Formatter,
+    add_beam_width,
     add_draft,
     add_dtype,
     add_target,
     add_threads,
     check_model,
-    int_at_least,
     set_threads,
 )
 
@@ -22,8 +22,7 @@ def add_parser(sub):
     add_draft(p)
     add_dtype(p, "run")
     add_threads(p)
-    p.add_argument("--beam-width", "--top-k-draft", dest="beam_width", type=int_at_least(1), default=10,
-                   help="children kept per frontier node and frontier size per level (EAGLE's top-k)")
+    add_beam_width(p)
     return p
 
 
