@@ -1,14 +1,16 @@
-"""Compare trained drafts over the same draft depth, plot them, and ship drafts with model cards.
+"""Compare trained drafts over the same draft depth: held-out accuracy tables, two plots and the EAGLE-2
+learning curve, the records a training round's docs cite.
 
     python scripts/draft_report.py runs                            # tables + the two plots
-    python scripts/draft_report.py runs --ship eagle2 hass poss2   # also copy them into drafts/ with a card
+    poss release draft runs/poss2                                  # then ship a run, with its model card
 
 Every finished run (``RUN/draft-fp16``, the fp16 copy that ships) and the shared initialisation the runs
 started from (``--init``, their ``--init-from``) are scored by ``poss train --validate DRAFT --steps 6``
 on one held-out split: on-policy drafts (``training.data.source == "poss distill"``) on the ``--data``
 folder's, older ShareGPT drafts on the split their own recipe names. A result is kept in
 ``RUN/val-steps<S>.json`` (the init's under the poss cache) together with the draft's hash, the split's
-fingerprint and the dtype, so reruns are free and a retrained draft or a new split is scored again.
+fingerprint and the dtype, so reruns are free and a retrained draft or a new split is scored again;
+``poss release draft RUN`` writes its model card from that file.
 
 The EAGLE-2 learning curve plots held-out acc@1 against cumulative token-passes: the init run's epochs
 (``--init-curve``: measured on a machine that is gone), the init draft re-scored here, and every run's
@@ -20,10 +22,8 @@ Relative paths in the arguments are taken from the repository root.
 import argparse
 import datetime
 import functools
-import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,46 +33,34 @@ ROOT = Path(__file__).resolve().parents[1]
 # poss is imported here too (dtype, data fingerprints), not only by the validation subprocesses.
 sys.path[:0] = [p for p in (str(ROOT / "python"), str(ROOT)) if p not in sys.path]
 
+from poss.train import draft_card  # noqa: E402  (after the path: this checkout's poss)
+from poss.train.draft_card import (  # noqa: E402
+    cumulative_tokens,
+    describe,
+    draft_precision,
+    file_digest,
+    init_of,
+    mean,
+    method_label,
+    on_policy,
+    precision,
+    read_json,
+    target_title,
+)
+
 METHOD_ORDER = {"eagle2": 0, "hass": 1, "poss": 2}
-DRIVER_TRAIN_SIZE = 1000  # scripts/train_smollm2_drafts.sh's TRAIN_SIZE when none is given
 
 
 # -- reading drafts and runs -------------------------------------------------------------------------
 
-def read_json(path) -> dict:
-    return json.loads(Path(path).read_text())
+def shown(path) -> str:
+    """A path as the tables show it: repository-relative, else its last two parts (no machine paths)."""
+    return draft_card.shown(path, ROOT)
 
 
 def repo_path(p) -> Path:
     p = Path(p)
     return p if p.is_absolute() else ROOT / p
-
-
-def shown(path) -> str:
-    """A path as cards and tables show it: repository-relative, else its last two parts (no machine paths)."""
-    if not Path(path).is_absolute():
-        return str(path)  # as recorded or typed (relative to where the run started)
-    p = Path(path).resolve()
-    try:
-        return str(p.relative_to(ROOT))
-    except ValueError:
-        return str(Path(*p.parts[-2:]))
-
-
-def method_label(recipe: dict) -> str:
-    return {"eagle2": "EAGLE-2", "hass": "HASS"}.get(recipe["method"]) or f"PosS-{recipe['positions_per_specialist']}"
-
-
-def on_policy(cfg: dict) -> bool:
-    return cfg["training"]["data"].get("source") == "poss distill"
-
-
-def file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()[:16]
 
 
 def run_config(run: Path) -> Optional[dict]:
@@ -97,39 +85,6 @@ def val_epochs(run: Path) -> List[dict]:
         if "val_epoch" in rec:
             by_epoch[rec["val_epoch"]["epoch"]] = rec["val_epoch"]
     return [by_epoch[e] for e in sorted(by_epoch)]
-
-
-def cumulative_tokens(training: dict) -> int:
-    """Token-passes of a draft's training and of every draft it started from (its ``init_from`` chain)."""
-    init = training.get("init_from") or {}
-    return training["tokens"] + (cumulative_tokens(init["training"]) if init.get("training") else 0)
-
-
-def init_summary(cfg: dict, path) -> dict:
-    t = cfg["training"]
-    return {"path": shown(path), "label": method_label(t["recipe"]), "epoch": t.get("epoch"),
-            "epochs": t["recipe"]["epochs"], "tokens": cumulative_tokens(t),
-            "acc1": (t.get("val") or {}).get("acc", [None])[0]}
-
-
-def init_of(cfg: dict, run: Optional[Path], init_dir: Optional[Path]) -> Optional[dict]:
-    """The draft a run started from (``--init-from``), or None when unknown or none.
-
-    Newer configs record it (``training.init_from``); older ones do not, and an on-policy run is then taken to
-    have started from ``init_dir`` (the driver script's INIT, which the report is told with ``--init``),
-    unless the run is that init itself.
-    """
-    t = cfg["training"]
-    if "init_from" in t:
-        rec = t["init_from"]
-        if rec is None:
-            return None
-        facts = (init_summary({"training": rec["training"]}, rec["path"]) if rec.get("training")
-                 else {"path": rec["path"]})
-        return {**facts, "recorded": True}
-    if init_dir is None or not on_policy(cfg) or (run is not None and run.resolve() in init_dir.resolve().parents):
-        return None
-    return {**init_summary(read_json(init_dir / "config.json"), init_dir), "recorded": False}
 
 
 # -- validation over the same draft depth ----------------------------------------------------------
@@ -198,29 +153,12 @@ def validation(draft: Path, cfg: dict, cache: Path, a) -> dict:
     return result
 
 
-def describe(name: str, draft: Path, cfg: dict, val: dict, run: Optional[Path], init: Optional[dict],
-             label: Optional[str] = None) -> dict:
-    t = cfg["training"]
-    return {"name": name, "label": label or method_label(t["recipe"]), "cfg": cfg, "recipe": t["recipe"],
-            "train_val": t.get("val") or {}, "val": val, "run": run, "draft": draft, "init": init,
-            "minutes": t["train_seconds"] / 60, "tokens": t["tokens"],
-            "mb": (draft / "model.safetensors").stat().st_size / 1e6}
-
-
 def sort_key(d: dict):
     r = d["recipe"]
     return (d["run"] is not None, METHOD_ORDER.get(r["method"], 3), r["positions_per_specialist"], d["name"])
 
 
 # -- the per-position table and plot ----------------------------------------------------------------
-
-def mean(xs):
-    return sum(xs) / max(1, len(xs))
-
-
-def pct(xs) -> str:
-    return " / ".join(f"{100 * x:.1f}" for x in xs)
-
 
 def table(rows: List[dict], steps: int) -> str:
     head = (f"| draft | specialists | positions trained | epochs | train time | token-passes | "
@@ -245,18 +183,6 @@ def scored_on(rows: List[dict]) -> str:
                        for s, fp, n, tok in sorted(keys))
     k = rows[0]["val"]["key"]
     return f"held-out split: {splits}; target {k['dtype']}, draft {draft_precision(k['autocast'])}"
-
-
-def target_title(cfg: dict) -> str:
-    """The target's model name from its registry file name (``SmolLM2-135M-Instruct.Q4_1.gguf``), else its key."""
-    import re
-
-    from poss.models.registry import REGISTRY
-
-    entry = REGISTRY.get(cfg["target_name"])
-    if entry is None:
-        return cfg["target_name"]
-    return re.sub(r"(\.Q\w+)?\.gguf$", "", entry.filename)
 
 
 def plot_steps(rows: List[dict], steps: int, path: Path) -> None:
@@ -308,17 +234,6 @@ def plot_steps(rows: List[dict], steps: int, path: Path) -> None:
 
 
 # -- the EAGLE-2 learning curve ---------------------------------------------------------------------
-
-def draft_precision(autocast: str) -> str:
-    """A draft's precision in words, from its autocast ("bf16" or "none"); its master weights are fp32 either way."""
-    return "bf16 autocast" if autocast == "bf16" else "fp32, no autocast"
-
-
-def precision(training: dict) -> str:
-    """The training precision as recorded: the recipe's autocast, and the target's dtype where the run recorded it."""
-    dtype = (training.get("machine") or {}).get("dtype")
-    return draft_precision(training["recipe"].get("autocast")) + (f", target {dtype}" if dtype else "")
-
 
 def learning_curves(init_curve: dict, runs: List[Path], init_row: Optional[dict],
                     init_dir: Optional[Path], past: List[dict] = ()) -> List[dict]:
@@ -417,148 +332,6 @@ def plot_curves(curves: List[dict], path: Path) -> None:
     print(f"wrote {path}", file=sys.stderr)
 
 
-# -- model cards and shipping -----------------------------------------------------------------------
-
-def plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
-
-
-def architecture(c: dict, recipe: dict) -> str:
-    layers = (f"{c['n_specialists']} decoder layers, the position specialists (each drafts "
-              f"{plural(c['positions_per_specialist'], 'consecutive position')}, the last one also every deeper one)"
-              if recipe["method"] == "poss" else "1 decoder layer that drafts every position")
-    return (f"A `poss` draft: a shared fc (2H -> H) plus {layers}; hidden {c['hidden']}, {c['heads']} heads / "
-            f"{c['kv_heads']} KV heads, FFN {c['ffn']}.")
-
-
-def vocabulary(c: dict) -> str:
-    k, v = c.get("draft_vocab") or 0, c["vocab"]
-    if not k:
-        return f"It scores the target's full {v:,}-token vocabulary."
-    return (f"It scores a **reduced vocabulary of {k:,} tokens** (the most frequent tokens of its training answers; "
-            f"`token_map` in `model.safetensors`, `draft_vocab` in `config.json`): drafting is cheaper, and "
-            f"verification still uses the full {v:,}-token vocabulary, so the output is unchanged (K only changes "
-            "how often drafts are accepted).")
-
-
-def method_text(c: dict, r: dict) -> str:
-    if r["method"] == "eagle2":
-        what = "EAGLE-2: 1 teacher-forced step (the draft sees the target's features only)"
-    else:
-        name = "HASS" if r["method"] == "hass" else f"PosS-{r['positions_per_specialist']}"
-        what = f"{name}: {r['steps']} aligned training steps (the draft's own features feed the later ones)"
-    if r["method"] != "poss":
-        return f"{what}; 1 layer for every position"
-    return (f"{what}; {c['n_specialists']} specialists, "
-            f"{plural(c['positions_per_specialist'], 'position')} per specialist")
-
-
-def answers(d: dict) -> str:
-    """The training answers a run used: all of a set's, or (``--train-start``) a slice of it."""
-    n = d.get("train_size", d["n_train"])
-    start = d.get("train_start", 0)
-    if not start:
-        return f"{n:,} training answers"
-    return f"{n:,} training answers (keys {start:,}..{start + n - 1:,}: those after the {start:,} earlier rounds saw)"
-
-
-def data_text(d: dict, epochs: int) -> str:
-    if d.get("source") == "poss distill":
-        return (f"on-policy: the target's own {d['decoding']} answers ({d['dtype']}, at most {d['max_new_tokens']} new "
-                f"tokens) to prompts from {d['prompt_source']}, made by `poss distill`: {answers(d)} "
-                f"({d['train_tokens']:,} tokens with their prompts, max_len {d['max_len']}), {d['n_val']} "
-                f"held-out prompts answered the same way (fingerprints: training `{d['train_fingerprint']}`, "
-                f"held-out `{d['val_fingerprint']}`). The loss covers answer tokens only")
-    return (f"{d['source']} (file sha256 `{d['file_sha256_16']}`): {d['n_train']} training conversations "
-            f"({d['train_tokens']:,} tokens, max_len {d['max_len']}, {plural(epochs, 'epoch')}), {d['n_val']} held out "
-            f"(data seed {d['data_seed']}); {'regenerated' if d.get('regenerated') else 'original'} assistant turns. "
-            "The loss covers assistant tokens only")
-
-
-def init_text(init: Optional[dict], r: dict) -> str:
-    if init is None:
-        return "none recorded (a random initialisation, or a config from before `poss train` recorded `--init-from`)"
-    facts = [init.get("label"),
-             f"epoch {init['epoch']} of {init['epochs']} planned" if init.get("epoch") and init.get("epochs") else None,
-             f"{init['tokens']:,} token-passes" if init.get("tokens") else None,
-             f"held-out acc@1 {100 * init['acc1']:.1f} %" if init.get("acc1") is not None else None,
-             None if init["recorded"] else "the driver script's INIT, not recorded in this config",
-             # A later round continues the shipped draft in place: the folder now holds this draft.
-             "the draft this one replaced in `drafts/` (git: the commit before this file's)"
-             if Path(init["path"]).parts[:1] == ("drafts",) else None]
-    copies = {"eagle2": "training continues from its weights", "hass": "the layer starts as a copy of its layer"}
-    return (f"`--init-from {init['path']}` ({', '.join(f for f in facts if f)}); "
-            + copies.get(r["method"], "every specialist starts as a copy of its layer"))
-
-
-def machine_text(t: dict) -> str:
-    m = t.get("machine")  # poss.hardware.describe() facts, where the training run recorded them
-    where = (f"{m['cpu']} ({', '.join(m.get('simd', []))}; {plural(m['threads'], 'thread')})" if m
-             else "a shared 2-core CPU")
-    return where + (f" x {t['world_size']} processes" if t.get("world_size", 1) > 1 else "")
-
-
-def model_card(d: dict, steps: int) -> str:
-    c, r, t = d["cfg"], d["recipe"], d["cfg"]["training"]
-    data, init, v, k = t["data"], d["init"], d["val"], d["val"]["key"]
-    epochs = t.get("epoch") or r["epochs"]
-    passes = f"{d['tokens']:,} token-passes" + (f" ({init['tokens'] + d['tokens']:,} with the init's)"
-                                                if init and init.get("tokens") else "")
-    seconds = f" ({t['train_seconds']:.0f} s)" if d["minutes"] < 10 else ""
-    losses = f"SmoothL1 feature loss x {r['v_weight']} + soft cross-entropy x {r['p_weight']}" + (
-        f" + top-K loss x {r['topk_weight']}" if r.get("topk_weight") else "")
-    stop = f", stopped after {r['max_batches']} optimizer steps" if r.get("max_batches") else ""
-    misses = (f" Rows whose target token is outside the {c['draft_vocab']:,} count as misses."
-              if c.get("draft_vocab") else "")
-    title = target_title(c) + (", on-policy data" if on_policy(c) else "") + (
-        f", {c['draft_vocab']:,}-token draft vocabulary" if c.get("draft_vocab") else "")
-    # The driver's knobs that differ from its defaults, so the line reruns this draft's recipe.
-    knobs = [f"DATA=<the {data['dtype']} poss distill folder>"] if on_policy(c) else []
-    if data.get("train_start"):  # a later round: each method from its own earlier draft, on the new answers
-        folder = str(Path(init["path"]).parent) if init else "DRAFTS"
-        knobs += [f"INIT_EACH={folder}", f"TRAIN_START={data['train_start']}"]
-    elif init:
-        knobs.append(f"INIT={init['path']}")
-    if data.get("train_size") and data["train_size"] != DRIVER_TRAIN_SIZE:
-        knobs.append(f"TRAIN_SIZE={data['train_size']}")
-    if r["epochs"] != 1:
-        knobs.append(f"EPOCHS={r['epochs']}")
-    driver = " ".join(knobs + [f"scripts/train_smollm2_drafts.sh {d['name']}"])
-    return f"""# {d['label']} draft for {title}
-
-{architecture(c, r)} {vocabulary(c)} The target's embedding and lm_head are shared, not stored.
-Weights are fp16 ({d['mb']:.1f} MB).
-
-- **Target:** `{c['target_name']}` (fingerprint `{c['target_fingerprint']}`); loading checks it.
-- **Method:** {method_text(c, r)}.
-- **Data:** {data_text(data, epochs)}.
-- **Initialisation:** {init_text(init, r)}.
-- **Recipe:** {plural(epochs, 'epoch')}, {passes}; AdamW lr {r['lr']:g}, betas {tuple(r['betas'])}, \
-weight decay {r['weight_decay']}, linear warmup {r['warmup_frac']:.0%} then linear decay over \
-{plural(r['epochs'], 'epoch')}{stop}, `clip_grad_value_` {r['clip_value']}, uniform feature noise \
-(std {r['noise_std']}), {losses}, {precision(t)}, batch size {r['batch_size']}, seed {r['seed']}.
-- **Training time:** {d['minutes']:.0f} min{seconds} on {machine_text(t)}, cached target features.
-- **Validation at the end of training** (held out, {precision(t)}): \
-loss {mean(d['train_val'].get('loss', [])):.3f} (mean over the trained steps), \
-top-1 agreement per trained step {pct(d['train_val'].get('acc', []))} %.
-- **Validation over {steps} draft positions** (this fp16 file, `poss train --validate --steps {steps}`, \
-target {k['dtype']}, draft {draft_precision(k['autocast'])}, {v['tokens']:,} held-out answer tokens, \
-split `{k['val_fingerprint']}`): top-1 agreement per position {pct(v['acc'])} % \
-(loss {' / '.join(f'{x:.3f}' for x in v['loss'])}).{misses}
-
-Reproduce: `{driver}`, then `python scripts/draft_report.py runs --ship {d['name']}`.
-"""
-
-
-def ship(d: dict, dest: Path, steps: int) -> None:
-    out = dest / d["name"]
-    out.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "model.safetensors"):
-        shutil.copyfile(d["draft"] / name, out / name)
-    (out / "README.md").write_text(model_card(d, steps))
-    print(f"shipped {out}", file=sys.stderr)
-
-
 # -- main ---------------------------------------------------------------------------------------------
 
 def report_text(rows: List[dict], curves: List[dict], a) -> str:
@@ -618,10 +391,8 @@ def main(argv=None) -> int:
     ap.add_argument("--table", default="docs/bench/draft_accuracy.md")
     ap.add_argument("--plot", default="docs/img/draft_step_accuracy.png")
     ap.add_argument("--curve-plot", default="docs/img/eagle2_learning_curve.png")
-    ap.add_argument("--ship", nargs="*", default=[], help="run names to copy into --dest with a model card")
-    ap.add_argument("--dest", default="drafts")
     a = ap.parse_args(argv)
-    for name in ("runs", "data", "init_curve", "table", "plot", "curve_plot", "curve_json", "dest"):
+    for name in ("runs", "data", "init_curve", "table", "plot", "curve_plot", "curve_json"):
         setattr(a, name, repo_path(getattr(a, name)))
     a.past_curves = a.past_curves and repo_path(a.past_curves)
     a.init = None if a.init == "none" else repo_path(a.init)
@@ -672,12 +443,6 @@ def main(argv=None) -> int:
     a.table.parent.mkdir(parents=True, exist_ok=True)
     a.table.write_text(report_text(rows, curves, a))
     print(f"wrote {a.table}", file=sys.stderr)
-    by_name = {d["name"]: d for d in rows if d["run"] is not None}
-    for name in a.ship:
-        if name not in by_name:
-            print(f"--ship {name}: no finished run of that name under {a.runs}", file=sys.stderr)
-            return 2
-        ship(by_name[name], a.dest, a.steps)
     return 0
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from poss.cli import main
-from poss.cli_args import registry_names
+from poss.cli.args import registry_names
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -153,7 +153,7 @@ def test_draft_and_no_draft(tmp_path, capsys):
 
 
 def test_debug_shows_the_traceback():
-    from poss.cli_args import UsageError
+    from poss.cli.args import UsageError
 
     with pytest.raises(UsageError):
         main(["--debug", "generate", "--prompt", "hi", "--top-p", "2"])
@@ -183,6 +183,39 @@ def tiny_target_folder(tmp_path_factory):
 def test_prompt_over_the_context_is_one_line(tiny_target_folder, capsys):
     fails(["generate", "--no-draft", "--target", str(tiny_target_folder), "--prompt", "x" * 200,
            "--max-new-tokens", "4", "--threads", "1", "--dtype", "float32"], "--prompt", capsys, "context")
+
+
+@pytest.mark.parametrize("prompt", ["", "   ", "\n\t"])
+def test_an_empty_prompt_is_refused_naming_the_flag(prompt, capsys):
+    line = fails(["generate", "--prompt", "hi", "--prompt", prompt], "--prompt", capsys, "non-empty")
+    assert ("an empty one" if not prompt else "only whitespace") in line
+
+
+@pytest.mark.parametrize("flag,value,want", [
+    ("--num-nodes", "0", "expected an integer in [1, 256] or 'auto', got '0'"),
+    ("--depth", "deep", "expected an integer >= 0 or 'auto', got 'deep'"),
+    ("--speculate-max-batch", "0", "expected an integer >= 1 or 'auto' or 'off', got '0'"),
+])
+def test_auto_flags_say_what_they_expect(flag, value, want, capsys):
+    fails(["generate", "--prompt", "hi", flag, value], flag, capsys, want)
+
+
+def test_a_prompt_over_the_context_is_refused_before_the_weights_load(tiny_target_folder, monkeypatch, capsys):
+    """Only the tokenizer and config are read: the generator and the model weights are never loaded."""
+    import transformers
+
+    import poss.decode.loader
+    import poss.models.registry
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the prompt length was checked")
+
+    monkeypatch.setattr(poss.decode.loader, "load", refuse)
+    monkeypatch.setattr(poss.models.registry, "load_model", refuse)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    line = fails(["generate", "--no-draft", "--target", str(tiny_target_folder), "--prompt", "ok",
+                  "--prompt", "x" * 200], "--prompt 2", capsys, "context of 64 tokens")
+    assert "shorten it" in line
 
 
 def test_generate_runs_on_a_tiny_folder(tiny_target_folder, capsys):
@@ -240,15 +273,9 @@ def lines(*items):
 
 
 def run_chat(gen, read, capsys):
-    import poss.decode.cli as dc
-    from poss.decode.cli import _speed_line, chat_loop  # noqa: F401
+    from poss.cli.chat import chat_loop
 
-    orig = dc._speed_line
-    dc._speed_line = lambda stats: "[speed]"
-    try:
-        rc = chat_loop(gen, {}, read=read)
-    finally:
-        dc._speed_line = orig
+    rc = chat_loop(gen, {}, read=read, speed=lambda stats: "[speed]")
     return rc, capsys.readouterr()
 
 
@@ -304,6 +331,7 @@ def test_chat_message_over_the_context_is_reported_and_dropped(capsys):
     (["--train-start", "-1"], "--train-start"), (["--train-start", "5"], "--train-start"),  # the latter without --data
     (["--feature-weight", "-1"], "--feature-weight"), (["--token-weight", "0"], "--token-weight"),
     (["--method", "eagle2", "--feature-weight", "0"], "--feature-weight"),  # one step: untrained inputs after it
+    (["--device", "tpu"], "--device"),
 ])
 def test_train_bad_inputs(bad, flag, tmp_path, capsys):
     fails(["train", "--out", str(tmp_path / "run")] + bad, flag, capsys)
@@ -314,6 +342,7 @@ def test_train_bad_inputs(bad, flag, tmp_path, capsys):
     (["--batch-size", "0"], "--batch-size"),
     (["--max-new-tokens", "0"], "--max-new-tokens"), (["--max-prompt-tokens", "-2"], "--max-prompt-tokens"),
     (["--threads", "0"], "--threads"), (["--target", "nope"], "--target"),
+    (["--rebuild-features"], "--out"),  # no records.jsonl there to rebuild the features of
 ])
 def test_distill_bad_inputs(bad, flag, tmp_path, capsys):
     fails(["distill", "--out", str(tmp_path / "d")] + bad, flag, capsys)
@@ -338,9 +367,42 @@ def test_eval_bad_inputs(bad, flag, tmp_path, capsys):
     (["--speculate-max-batch", "0"], "--speculate-max-batch"),
     (["--speculate-max-batch", "never"], "--speculate-max-batch"),
     (["--lookup", "-2"], "--lookup"),
+    (["--device", "gpu"], "--device"), (["--device", "cuda:x"], "--device"),
+    (["--depth", "30", "--beam-width", "10"], "--depth"),  # a tree over the kernel's limits, before loading
 ])
 def test_serve_bad_inputs(bad, flag, capsys):
     fails(["serve"] + bad, flag, capsys)
+
+
+@pytest.mark.parametrize("bad,flag", [
+    (["--threads", "0"], "--threads"), (["--target", "nope"], "--target"), (["--beam-width", "0"], "--beam-width"),
+    (["--draft", "x", "--no-draft"], "--no-draft"),
+])
+def test_tune_bad_inputs(bad, flag, capsys):
+    fails(["tune"] + bad, flag, capsys)
+
+
+def test_tune_times_again_and_prints_what_auto_chose(monkeypatch, capsys):
+    """poss tune forgets the cached timings (retune) and reports the tree and batch limit it measured."""
+    from poss.decode.params import TreeParams
+
+    seen = {}
+
+    class Timed:
+        def auto_tree(self, beam_width):
+            seen["beam_width"] = beam_width
+            return TreeParams(num_nodes=24, depth=4, beam_width=beam_width)
+
+        def speculation_limit(self, tree):
+            seen["tree"] = tree
+            return 2
+
+    monkeypatch.setattr("poss.decode.loader.load", lambda target, **kw: seen.update(kw) or Timed())
+    assert main(["tune", "--no-draft", "--beam-width", "6"]) == 0
+    assert seen["retune"] is True and seen["speculate_max_batch"] == "auto" and seen["draft"] is None
+    assert seen["tree"] == TreeParams(num_nodes=24, depth=4, beam_width=6)
+    assert json.loads(capsys.readouterr().out) == {"num_nodes": 24, "depth": 4, "beam_width": 6, "lookup": 0,
+                                                   "speculate_max_batch": 2}
 
 
 def test_unknown_option_is_one_line(capsys):
@@ -349,7 +411,7 @@ def test_unknown_option_is_one_line(capsys):
 
 # -- help ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("cmd", ["generate", "chat", "train", "distill", "eval", "serve"])
+@pytest.mark.parametrize("cmd", ["generate", "chat", "train", "distill", "eval", "serve", "tune"])
 def test_help_shows_defaults_and_registry_targets(cmd, capsys):
     with pytest.raises(SystemExit) as e:
         main([cmd, "--help"])
@@ -363,14 +425,82 @@ def test_help_shows_defaults_and_registry_targets(cmd, capsys):
             assert text in out
 
 
-@pytest.mark.parametrize("cmd", ["generate", "chat", "train", "distill", "eval", "serve"])
-def test_every_option_has_a_help_text(cmd):
+def subcommands(parser):
+    """``{name: parser}`` of a parser's sub-commands (none when it has none)."""
+    import argparse
+
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(actions[0].choices) if actions else {}
+
+
+def every_parser(parser, prefix=()):
+    """``(words, parser)`` for every command and nested action (``datastore build``, ``release draft``)."""
+    for name, sub in subcommands(parser).items():
+        yield prefix + (name,), sub
+        yield from every_parser(sub, prefix + (name,))
+
+
+def test_the_dispatch_table_covers_every_command():
+    from poss.cli import build_parser
+    from poss.cli.main import COMMANDS, command_module
+
+    assert set(subcommands(build_parser())) == set(COMMANDS)
+    for name in COMMANDS:
+        module = command_module(name)
+        assert callable(module.add_parser) and callable(module.run), name
+        assert module.__name__.startswith("poss.cli."), name
+
+
+def test_every_option_has_a_help_text():
     from poss.cli import build_parser
 
-    parser = build_parser()
-    sub = next(a for a in parser._actions if a.dest == "command").choices[cmd]
-    missing = [a.option_strings for a in sub._actions if a.option_strings and not a.help]
-    assert not missing
+    for words, sub in every_parser(build_parser()):
+        missing = [a.option_strings for a in sub._actions if a.option_strings and not a.help]
+        assert not missing, words
+
+
+def test_shared_flags_are_declared_once_and_library_packages_hold_no_cli():
+    """--target, --dtype, --draft, --threads and the tree and sampling flags come from poss/cli/args.py, so
+    their spelling, checks and choices cannot drift apart per command (--seed and --draft-vocab mean other
+    things in train and distill: a seed of the data or weights, the K of a vocabulary to train); no library
+    package parses arguments."""
+    import re
+
+    package = ROOT / "python" / "poss"
+    for flag in ("--target", "--dtype", "--draft", "--no-draft", "--threads", "--device", "--temperature",
+                 "--top-p", "--beam-width", "--num-nodes", "--depth", "--lookup", "--datastore",
+                 "--speculate-max-batch"):
+        where = [f.name for f in sorted((package / "cli").glob("*.py"))
+                 if re.search(rf"add_argument\(\s*\"{flag}\"", f.read_text())]
+        assert where == ["args.py"], (flag, where)
+    for f in package.rglob("*.py"):
+        if "cli" not in f.relative_to(package).parts:
+            assert "argparse" not in f.read_text(), f
+
+
+def test_dtype_choices_are_one_list_per_meaning():
+    from poss.cli import build_parser
+    from poss.cli.args import DTYPES
+
+    lists = {}
+    for words, sub in every_parser(build_parser()):
+        for a in sub._actions:
+            if "--dtype" in a.option_strings:
+                lists.setdefault(tuple(a.choices), []).append(words[0])
+    assert set(lists) == {choices for choices, _, _ in DTYPES.values()}
+    assert sorted(lists[DTYPES["run"][0]]) == ["chat", "eval", "generate", "serve", "tune"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--prompt", "hi"], ["chat"], ["train", "--out", "x"], ["distill", "--out", "x"],
+    ["eval", "--out", "x"], ["eval", "--out", "x", "--merge", "a", "b"], ["serve"], ["tune"], ["info"], ["demo"],
+    ["datastore", "build", "a", "--out", "x.npz"], ["release", "draft", "runs/x"], ["release", "data", "a", "b"],
+])
+def test_every_command_parses_its_minimal_line(argv):
+    from poss.cli import build_parser
+
+    args = build_parser().parse_args(argv)
+    assert args.command == argv[0]
 
 
 def test_poss_help_imports_no_torch():

@@ -137,6 +137,48 @@ def test_the_shipped_datastore_is_the_shipped_training_answers():
     assert store.tokens.tolist() == want  # training answers only: the held-out ones stay unseen
 
 
+def distill_folder(path, fingerprint, records, packed=False):
+    """A minimal ``poss distill`` folder: meta.json and records (``records.jsonl.xz`` when ``packed``)."""
+    import lzma
+
+    path.mkdir()
+    (path / "meta.json").write_text(json.dumps({"recipe": {"target_fingerprint": fingerprint}}))
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    if packed:
+        (path / "records.jsonl.xz").write_bytes(lzma.compress(text.encode()))
+    else:
+        (path / "records.jsonl").write_text(text)
+    return path
+
+
+def test_poss_datastore_build_keeps_each_prompts_longest_training_answer(tmp_path, capsys):
+    from poss.cli import main
+
+    def rec(src, split, ids):
+        return {"source_index": src, "split": split, "answer_ids": ids}
+
+    short = distill_folder(tmp_path / "cap4", "abcd", [rec(2, "train", [7, 8, 9, 1]), rec(0, "train", [5, 6]),
+                                                      rec(9, "val", [4, 4, 4])])
+    long = distill_folder(tmp_path / "cap8", "abcd", [rec(2, "train", [7, 8, 9, 1, 2, 3]), rec(1, "train", [3])],
+                          packed=True)
+    out = tmp_path / "sub" / "store.npz"
+    assert main(["datastore", "build", str(short), str(long), "--out", str(out)]) == 0
+    store = Datastore.load(out)
+    # Prompts 0, 1, 2 in source order; prompt 2's longer answer (its cut copy dropped); no held-out answer.
+    assert store.tokens.tolist() == [5, 6, SEPARATOR, 3, SEPARATOR, 7, 8, 9, 1, 2, 3, SEPARATOR]
+    assert store.meta == {"target_fingerprint": "abcd", "source": ["cap4", "cap8"], "documents": 3, "split": "train"}
+    assert "3 answers" in capsys.readouterr().out
+
+    other = distill_folder(tmp_path / "other", "ffff", [rec(0, "train", [1, 2])])
+    assert main(["datastore", "build", str(short), str(other), "--out", str(tmp_path / "x.npz")]) == 2
+    assert "different targets" in capsys.readouterr().err
+    assert main(["datastore", "build", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x.npz")]) == 2
+    assert "FOLDER" in capsys.readouterr().err
+    assert main(["datastore", "build", str(short), "--out", str(tmp_path / "x.txt")]) == 2
+    assert "--out" in capsys.readouterr().err
+    assert not (tmp_path / "x.npz").exists()
+
+
 @pytest.fixture(scope="module")
 def target():
     model = tiny_target()
@@ -147,7 +189,7 @@ def target():
 @pytest.mark.parametrize("draft", [True, False], ids=["poss2-plus-datastore", "datastore-only"])
 def test_greedy_with_a_datastore_matches_hf(target, draft):
     prompts = eval_prompts(n_per_set=2)
-    # The target's own continuations of other prompts (what scripts/build_datastore.py collects), and
+    # The target's own continuations of other prompts (what `poss datastore build` collects), and
     # random text whose chains the target rejects.
     others = eval_prompts(n_per_set=3)[-4:]
     g = torch.Generator().manual_seed(0)

@@ -205,10 +205,26 @@ def test_eval_bad_arguments(bad, msg, tmp_path, capsys):
     assert msg in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("extra,msg", [
+    (["--merge", "{tmp}/nowhere"], "--merge: "),  # not a poss eval folder
+    (["--merge", "{tmp}/a", "--limit", "3"], "--limit"),  # a run's flag: the settings come from the folders
+    (["--merge", "{tmp}/a", "--questions", "3:3"], "--questions"),
+    (["--questions", "0:2"], "--questions needs --merge"),
+])
+def test_merge_bad_arguments(extra, msg, tmp_path, capsys):
+    from poss.cli import main
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "results.json").write_text("{}")
+    assert main(["eval", "--out", str(tmp_path / "m")] + [x.format(tmp=tmp_path) for x in extra]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and err.startswith("poss eval") and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "m").exists()
+
+
 def test_shards_answer_each_question_once_and_merge_into_the_unsharded_run(tiny_folder, tmp_path):
     """``--shard I/N`` splits the questions (after --limit) by position; the merged shards hold the
     same questions and the same answers as one process answering them all."""
-    from helpers.scripts import load_script
     from poss.cli import main
     from poss.jsonl import read_jsonl
 
@@ -227,7 +243,8 @@ def test_shards_answer_each_question_once_and_merge_into_the_unsharded_run(tiny_
     whole = run(tmp_path / "whole")
     shards = [run(tmp_path / f"s{i}", "--shard", f"{i}/3") for i in range(3)]
     assert [sorted({q for _, q in s}) for s in shards] == [["q0", "q3"], ["q1", "q4"], ["q2"]]
-    load_script("eval_merge").merge([tmp_path / f"s{i}" for i in range(3)], tmp_path / "merged")
+    shard_dirs = [str(tmp_path / f"s{i}") for i in range(3)]
+    assert main(["eval", "--out", str(tmp_path / "merged"), "--merge", *shard_dirs]) == 0
     merged = by_key(tmp_path / "merged")
     assert merged.keys() == whole.keys() and len(whole) == 10  # ar and eagle, 5 questions each
     for key, r in whole.items():
@@ -236,13 +253,11 @@ def test_shards_answer_each_question_once_and_merge_into_the_unsharded_run(tiny_
 
 
 def test_merge_two_runs_and_a_question_range(tiny_folder, tmp_path):
-    """scripts/eval_merge.py: two runs over different sets make one report; ``--questions`` keeps a
+    """poss.eval.merge: two runs over different sets make one report; ``--questions`` keeps a
     range of positions per set; runs with different settings are refused."""
-    from helpers.scripts import load_script
     from poss.cli import main
     from poss.data.eval_sets import load_eval_set
-
-    em = load_script("eval_merge")
+    from poss.eval import merge as em
     torch.set_num_threads(1)
 
     def run(sets, out, new=6):
@@ -266,11 +281,11 @@ def test_merge_two_runs_and_a_question_range(tiny_folder, tmp_path):
     assert kept == want and part["methods"]["ar"]["overall"]["questions"] == 4
 
     run("qa", tmp_path / "c", new=4)
-    with pytest.raises(SystemExit, match="settings differ"):
+    with pytest.raises(ValueError, match="settings differ"):
         em.merge([tmp_path / "a", tmp_path / "c"], tmp_path / "bad")
     # results.json describes a folder's last run only: the records' own settings are compared too
     shutil.copy(tmp_path / "a" / "results.json", tmp_path / "c" / "results.json")
-    with pytest.raises(SystemExit, match="records' settings differ"):
+    with pytest.raises(ValueError, match="records' settings differ"):
         em.merge([tmp_path / "a", tmp_path / "c"], tmp_path / "bad")
     # a question answered in two inputs comes from the last, as `poss eval` resuming a folder reads it
     first = json.loads((tmp_path / "a" / "records.jsonl").read_text().splitlines()[0])
@@ -288,5 +303,5 @@ def test_merge_two_runs_and_a_question_range(tiny_folder, tmp_path):
     # a question id the packaged set does not hold is named, not a KeyError
     with open(tmp_path / "b" / "records.jsonl", "a") as f:
         f.write(json.dumps({"method": "ar", "dataset": "qa", "question_id": "nope", "turns": []}) + "\n")
-    with pytest.raises(SystemExit, match="question 'nope'"):
+    with pytest.raises(ValueError, match="question 'nope'"):
         em.merge([tmp_path / "a", tmp_path / "b"], tmp_path / "bad", questions=(0, 2))

@@ -88,13 +88,13 @@ def test_bad_limit_is_a_clear_error(gen, bad):
 
 def test_the_generate_flag_reaches_the_generator(monkeypatch):
     from poss.cli import build_parser
-    from poss.decode import cli
+    from poss.cli import generate as cli
 
     seen = {}
     monkeypatch.setattr("poss.decode.loader.load", lambda *a, **kw: seen.update(kw))
     for flag, want in (([], "auto"), (["--speculate-max-batch", "off"], None), (["--speculate-max-batch", "4"], 4)):
-        cli._load(build_parser().parse_args(["generate", "--prompt", "hi"] + flag))
+        cli.load(build_parser().parse_args(["generate", "--prompt", "hi"] + flag))
         assert seen["speculate_max_batch"] == want
         assert seen["retune"] is False
-    cli._load(build_parser().parse_args(["chat", "--retune"]))
+    cli.load(build_parser().parse_args(["chat", "--retune"]))
     assert seen["retune"] is True

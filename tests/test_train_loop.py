@@ -140,11 +140,11 @@ def test_kill_and_resume_loses_at_most_one_interval_and_matches_an_uninterrupted
 def test_cli_has_the_train_subcommand():
     import argparse
 
-    from poss.train.cli import add_train_parser
+    from poss.cli.train import add_parser
 
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command")
-    add_train_parser(sub)
+    add_parser(sub)
     a = parser.parse_args(["train", "--target", "smollm2-135m", "--method", "poss", "--positions-per-specialist", "2",
                            "--steps", "6", "--out", "x", "--resume"])
     assert (a.method, a.steps, a.positions_per_specialist, a.resume, a.features) == ("poss", 6, 2, True, "cache")

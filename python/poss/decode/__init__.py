@@ -1,8 +1,8 @@
 """The decoding loop: prefill, then rounds of draft tree -> verify -> commit, over a batch of requests.
 
 :func:`load` builds a :class:`Generator` (``generate`` / ``stream``); :class:`SamplingParams` and
-:class:`TreeParams` are what a call chooses. Names are imported on first use (the CLI builds its
-parser from :mod:`poss.decode.cli` without importing torch).
+:class:`TreeParams` are what a call chooses. Names are imported on first use, so importing the
+package costs no torch.
 """
 
 _LAZY = {

@@ -78,7 +78,7 @@ def load_datastore(datastore: Union[str, Path, None], target: Union[str, Path], 
     if path is None:
         return None
     if not auto and not path.is_file():
-        raise ValueError(f"datastore: no file at {path} (expected a .npz from scripts/build_datastore.py, "
+        raise ValueError(f"datastore: no file at {path} (expected a .npz from `poss datastore build`, "
                          "'auto' or None)")
     store = Datastore.load(path)
     made_by = store.meta.get("target_fingerprint")

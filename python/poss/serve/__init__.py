@@ -10,5 +10,6 @@ Layers, each in its own module:
 - :mod:`poss.serve.protocol`: OpenAI request validation and response shapes (no model, no HTTP).
 - :mod:`poss.serve.app`: the FastAPI app (endpoints, SSE, errors, body limit).
 - :mod:`poss.serve.metrics`: Prometheus metrics.
-- :mod:`poss.serve.main`: ``poss serve`` (argument parsing, model loading, uvicorn).
+
+The ``poss serve`` command (arguments, model loading, uvicorn) is :mod:`poss.cli.serve`.
 """

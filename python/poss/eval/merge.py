@@ -1,25 +1,22 @@
-"""Merge ``poss eval`` folders (e.g. one process per group of sets) into one report.
-
-    python scripts/eval_merge.py --out runs/eval runs/eval-a runs/eval-b
-    python scripts/eval_merge.py --out runs/eval-31-80 --questions 30:80 runs/eval-a runs/eval-b
+"""Merge ``poss eval`` folders (e.g. one process per shard or per group of sets) into one report.
 
 Every input folder holds ``records.jsonl`` and the ``results.json`` its run wrote; their settings and
 machine must agree, and so must the settings each record carries (a folder's ``results.json`` only
-describes its last invocation). ``--questions A:B`` keeps the questions at positions ``A .. B-1`` of each packaged
-set (0-based, in the set's order), for a table over a subset, e.g. the questions one run timed.
-A question answered in more than one input is taken from the last one (as a resumed ``poss eval``
-reads its folder). The output folder gets the merged ``records.jsonl``, the drafts' ``draft-*.json`` and the report
-(``results.json``, ``table.md``, plots) of ``poss.eval.report.write``.
+describes its last invocation). A question answered in more than one input is taken from the last one
+(as a resumed ``poss eval`` reads its folder). The output folder gets the merged ``records.jsonl``, the
+drafts' ``draft-*.json`` and the report (``results.json``, ``table.md``, plots) of
+:func:`poss.eval.report.write`.
 """
 
-import argparse
 import json
 import shutil
-import sys
 from pathlib import Path
+from typing import Dict, Optional, Sequence, Tuple, Union
+
+PathLike = Union[str, Path]
 
 
-def question_positions(dataset: str):
+def question_positions(dataset: str) -> Optional[Dict[str, int]]:
     """question_id -> position in the packaged set (None for a custom set)."""
     from poss.data.eval_sets import EVAL_SETS, load_eval_set
 
@@ -28,14 +25,24 @@ def question_positions(dataset: str):
     return {r["question_id"]: i for i, r in enumerate(load_eval_set(dataset))}
 
 
-def merge(inputs, out: Path, questions=None) -> dict:
+def merge(inputs: Sequence[PathLike], out: PathLike, questions: Optional[Tuple[int, int]] = None) -> dict:
+    """Merge the ``poss eval --out`` folders ``inputs`` into ``out``; returns the report's results.
+
+    ``questions=(a, b)`` keeps the questions at positions ``a .. b-1`` of each packaged set (0-based, in
+    the set's order), for a table over a subset, e.g. the questions one run timed. Raises ``ValueError``
+    when the inputs' settings or machines differ, or an input holds a question its packaged set does not.
+    """
     from poss.eval.report import write
     from poss.jsonl import read_jsonl
 
+    out = Path(out)
+    for d in inputs:
+        if not (Path(d) / "results.json").is_file():
+            raise ValueError(f"{d} holds no results.json (expected a `poss eval --out` folder)")
     runs = [json.loads((Path(d) / "results.json").read_text()) for d in inputs]
     for key in ("settings", "machine"):
         if any(r[key] != runs[0][key] for r in runs[1:]):
-            sys.exit(f"eval_merge: the inputs' {key} differ: {[r[key] for r in runs]}")
+            raise ValueError(f"the inputs' {key} differ: {[r[key] for r in runs]}")
     out.mkdir(parents=True, exist_ok=True)
     # One record per (method, dataset, question): the last one read wins, as when `poss eval` resumes
     # a folder (poss.eval.run.read_done), so a question answered again in a later input replaces it.
@@ -45,8 +52,8 @@ def merge(inputs, out: Path, questions=None) -> dict:
             if questions is not None:
                 pos = positions.setdefault(r["dataset"], question_positions(r["dataset"]))
                 if pos is not None and r["question_id"] not in pos:
-                    sys.exit(f"eval_merge: {d} has question {r['question_id']!r}, which the packaged "
-                             f"{r['dataset']} set does not hold")
+                    raise ValueError(f"{d} has question {r['question_id']!r}, which the packaged {r['dataset']} "
+                                     "set does not hold")
                 if pos is None or not questions[0] <= pos[r["question_id"]] < questions[1]:
                     continue
             key = (r["method"], r["dataset"], r["question_id"])
@@ -57,35 +64,11 @@ def merge(inputs, out: Path, questions=None) -> dict:
         if r.get("settings") is not None:  # records written before settings were stored carry none
             settings.setdefault(json.dumps(r["settings"], sort_keys=True), origin[key])
     if len(settings) > 1:
-        sys.exit(f"eval_merge: the records' settings differ (first seen in {', '.join(map(str, settings.values()))}): "
-                 f"{list(settings)}")
+        raise ValueError(f"the records' settings differ (first seen in {', '.join(map(str, settings.values()))}): "
+                         f"{list(settings)}")
     for d in inputs:
         for p in Path(d).glob("draft-*.json"):
             shutil.copy(p, out / p.name)
     (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept.values()))
     s, m = runs[0]["settings"], runs[0]["machine"]
     return write(out, s["depth"], s, m["threads"], m["dtype"])
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("inputs", nargs="+", help="poss eval --out folders")
-    ap.add_argument("--out", required=True, help="the merged folder")
-    ap.add_argument("--questions", default=None, metavar="A:B", help="keep question positions A..B-1 of each set")
-    args = ap.parse_args(argv)
-    questions = None
-    if args.questions:
-        try:
-            a, b = (int(x) for x in args.questions.split(":"))
-        except ValueError:
-            ap.error(f"--questions: expected A:B with integers, got {args.questions!r}")
-        if not 0 <= a < b:
-            ap.error(f"--questions: expected 0 <= A < B, got {args.questions!r}")
-        questions = (a, b)
-    merge(args.inputs, Path(args.out), questions)
-    print((Path(args.out) / "table.md").read_text())
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

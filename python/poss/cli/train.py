@@ -1,26 +1,29 @@
-"""``poss train`` (train one draft: EAGLE-2, HASS or PosS-n, or score one with --validate) and ``poss distill``."""
+"""``poss train``: train one draft (EAGLE-2, HASS or PosS-n), or score one with ``--validate``."""
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-from poss.cli_args import (
+from poss.cli.args import (
     Formatter,
     UsageError,
+    add_device,
+    add_dtype,
+    add_target,
+    add_threads,
     check_draft,
     check_target,
     float_in,
     int_at_least,
     position_counts,
-    target_help,
+    set_threads,
 )
 
 
-def add_train_parser(sub) -> argparse.ArgumentParser:
+def add_parser(sub):
     p = sub.add_parser("train", help="train an EAGLE-2 / HASS / PosS-n draft for a target",
                        formatter_class=Formatter)
-    p.add_argument("--target", default="smollm2-135m", help=target_help())
+    add_target(p)
     p.add_argument("--method", choices=("eagle2", "hass", "poss"), default="poss", help="the draft objective")
     p.add_argument("--steps", type=int_at_least(1), default=None,
                    help="training steps (draft positions); eagle2 1, hass 3, poss 6")
@@ -72,11 +75,9 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--validate-every-epoch", action="store_true",
                    help="score the held-out split after each epoch (learning curve) and keep the best draft in "
                         "OUT/best")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                   help="target features and mixed precision; auto: bf16 on CUDA or a CPU with AMX/AVX512-BF16, "
-                        "else fp32")
-    p.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
+    add_device(p, None, " (default: cuda when available)")
+    add_dtype(p, "train")
+    add_threads(p)
     p.add_argument("--seed", type=int, default=0, help="initialisation and noise seed")
     p.add_argument("--validate", default=None, metavar="DRAFT",
                    help="no training: score the draft folder DRAFT on this data's validation split for --steps "
@@ -94,8 +95,7 @@ def _prepare(args):
     from poss.train.ddp import init_distributed
     from poss.train.draft_vocab import answer_vocabulary
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args)
     if args.device is None:  # resolved here, not in the parser, so ``poss --help`` needs no torch
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     info = init_distributed(args.device)
@@ -148,15 +148,13 @@ def check_train_arguments(args) -> None:
         raise UsageError(f"--data: {args.data!r} is not a folder (expected a `poss distill` output folder)")
     if args.train_start and args.data is None:
         raise UsageError("--train-start needs --data (a `poss distill` folder)")
-    if args.device is not None and args.device.split(":")[0] not in ("cpu", "cuda"):
-        raise UsageError(f"--device: expected cpu, cuda or cuda:N, got {args.device!r}")
     if args.validate is None and args.feature_weight == 0 and (args.method == "eagle2" or (args.steps or 2) < 2):
         # Without the feature loss a one-step draft's output features are never trained as the next
         # position's input, so every draft position after the first would run on untrained inputs.
         raise UsageError("--feature-weight 0 needs a multi-step objective (--method hass or poss, --steps >= 2)")
 
 
-def run_train(args) -> int:
+def run(args) -> int:
     from poss.train.ddp import shutdown
     from poss.train.loop import TrainConfig, Trainer
     from poss.train.validate import draft_autocast, validate_draft
@@ -190,53 +188,3 @@ def run_train(args) -> int:
     shutdown(info)
     return 0
 
-
-def add_distill_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("distill", help="write the target's own greedy answers (+ features) as draft-training data",
-                       formatter_class=Formatter)
-    p.add_argument("--target", default="smollm2-135m", help=target_help())
-    p.add_argument("--prompts", type=int_at_least(1), default=4000, help="training prompts")
-    p.add_argument("--val-prompts", type=int_at_least(0), default=100, help="held-out prompts (answered first)")
-    p.add_argument("--out", required=True, help="data folder: records.jsonl, features/, meta.json")
-    p.add_argument("--batch-size", type=int_at_least(1), default=32, help="prompts answered together")
-    p.add_argument("--max-new-tokens", type=int_at_least(1), default=384, help="answer length at most")
-    p.add_argument("--max-prompt-tokens", type=int_at_least(1), default=384, help="longer prompts are skipped")
-    p.add_argument("--seed", type=int, default=0, help="prompt selection seed")
-    p.add_argument("--prompt-source", choices=("sharegpt", "sharegpt-code"), default="sharegpt",
-                   help="ShareGPT first turns, or only its coding requests (HumanEval and GSM8K problems excluded)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                   help="the dtype the target runs in at inference (default: float32; with --rebuild-features, "
-                        "the dtype the data set's features were made in, from its meta.json)")
-    p.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--rebuild-features", action="store_true",
-                   help="generate nothing: compute the target features of the records in --out that have none "
-                        "(a data set restored from its shipped token ids)")
-    return p
-
-
-def run_distill(args) -> int:
-    check_target(args.target)
-    import torch
-
-    from poss.decode.loader import load
-    from poss.train.data import load_sharegpt
-    from poss.train.distill import distill
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.rebuild_features:
-        from poss.train.distill import features_dtype, rebuild_features
-
-        if not (Path(args.out) / "records.jsonl").is_file():
-            raise ValueError(f"--out {args.out!r} has no records.jsonl to rebuild the features of")
-        dtype = args.dtype or features_dtype(args.out) or "float32"
-        print(f"features in {dtype}", file=sys.stderr)
-        gen = load(args.target, draft=None, dtype=getattr(torch, dtype))
-        print(f"features computed for {rebuild_features(gen.runner, args.out)} records", file=sys.stderr)
-        return 0
-    gen = load(args.target, draft=None, dtype=getattr(torch, args.dtype or "float32"))
-    convs = load_sharegpt()
-    meta = distill(gen, convs.messages, args.out, args.prompts, args.val_prompts, args.batch_size,
-                   args.max_new_tokens, args.max_prompt_tokens, args.seed, prompt_source=args.prompt_source)
-    print(json.dumps(meta, indent=1))
-    return 0

@@ -1,28 +1,33 @@
-"""``poss eval``: methods side by side on the benchmark sets; results.json, table.md and plots in --out."""
+"""``poss eval``: methods side by side on the benchmark sets (results.json, table.md and plots in --out), or
+``--merge`` the folders of several such runs into one report."""
 
 import argparse
 import sys
 from pathlib import Path
 from typing import Tuple
 
-from poss.cli_args import (
-    DRAFT_VOCAB_HELP,
-    LOOKUP_HELP_FIXED,
+from poss.cli.args import (
     Formatter,
     UsageError,
+    add_dtype,
+    add_sampling,
+    add_target,
+    add_threads,
+    add_tree,
     check_draft,
     check_target,
-    float_in,
     int_at_least,
-    target_help,
+    set_threads,
 )
-from poss.models.draft_config import DRAFT_VOCABS
+
+# The flags a --merge reads; every other one belongs to a run and is refused beside --merge.
+MERGE_FLAGS = ("merge", "out", "questions")
 
 
-def add_eval_parser(sub) -> argparse.ArgumentParser:
+def add_parser(sub):
     p = sub.add_parser("eval", help="tau, pos-acc and speedup of drafts on the benchmark sets",
                        formatter_class=Formatter)
-    p.add_argument("--target", default="smollm2-135m", help=target_help())
+    add_target(p)
     p.add_argument("--drafts", nargs="*", default=None, metavar="DIR",
                    help="draft folders to compare (default: the target's shipped drafts)")
     p.add_argument("--datasets", default="all",
@@ -32,26 +37,26 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int_at_least(1), default=None, help="the first K questions of each set")
     p.add_argument("--shard", type=shard_arg, default=(0, 1), metavar="I/N",
                    help="answer only the questions at positions I, I+N, I+2N, ... of each set (after --limit), "
-                        "so N processes share the cores; merge their folders with scripts/eval_merge.py")
+                        "so N processes share the cores; join their folders with --merge")
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=512, help="answer length per turn at most")
     p.add_argument("--turns", type=int_at_least(1), default=None,
                    help="ask only the first K turns of each question (MT-Bench has 2; default: all)")
-    p.add_argument("--num-nodes", type=int_at_least(2, 256), default=60,
-                   help="tree nodes verified per round, root included")
-    p.add_argument("--depth", type=int_at_least(1), default=6, help="draft positions below the root")
-    p.add_argument("--beam-width", type=int_at_least(1), default=10,
-                   help="draft candidates kept per tree level (EAGLE's top-k)")
     # The paper's comparison runs fixed trees, so a fixed chain length too: no "auto" here.
-    p.add_argument("--lookup", type=int_at_least(0), default=0, help=LOOKUP_HELP_FIXED)
-    p.add_argument("--draft-vocab", choices=DRAFT_VOCABS, default="trained",
-                   help=DRAFT_VOCAB_HELP + "; with full, each method is named DRAFT+full-vocab")
-    p.add_argument("--temperature", type=float_in(0), default=0.0, help="0: greedy; 1: the sampling setting")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    add_tree(p, auto=False, vocab_help="; with full, each method is named DRAFT+full-vocab")
+    add_sampling(p, filters=False, seed_default=0)
     p.add_argument("--hf", action="store_true", help="also time transformers generate (greedy) as a reference")
-    p.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                   help="the models' dtype; auto: bfloat16 on CUDA or a CPU with AMX/AVX512-BF16, else float32")
-    p.add_argument("--out", required=True, help="results folder (resumes when it already holds records)")
+    add_threads(p)
+    add_dtype(p, "run")
+    p.add_argument("--out", required=True, help="results folder (resumes when it already holds records); with "
+                                                "--merge, the merged folder")
+    m = p.add_argument_group("merging runs (instead of running)")
+    m.add_argument("--merge", nargs="+", default=None, metavar="DIR",
+                   help="merge these `poss eval --out` folders (e.g. the --shard runs) into --out: their records "
+                        "and one report; a question answered in several comes from the last")
+    m.add_argument("--questions", type=questions_arg, default=None, metavar="A:B",
+                   help="with --merge: keep the questions at positions A..B-1 (0-based) of each packaged set")
+    p.set_defaults(run_defaults={a.dest: a.default for a in p._actions
+                                 if a.option_strings and a.dest not in MERGE_FLAGS + ("help",)})
     return p
 
 
@@ -67,6 +72,34 @@ def shard_arg(text: str) -> Tuple[int, int]:
     return i, n
 
 
+def questions_arg(text: str) -> Tuple[int, int]:
+    """``A:B`` -> (A, B) with 0 <= A < B."""
+    a, _, b = text.partition(":")
+    try:
+        a, b = int(a), int(b)
+    except ValueError:
+        a = b = None
+    if a is None or not 0 <= a < b:
+        raise argparse.ArgumentTypeError(f"expected A:B with integers 0 <= A < B, e.g. 0:40, got {text!r}")
+    return a, b
+
+
+def run_merge(args) -> int:
+    from poss.eval.merge import merge
+
+    given = sorted("--" + dest.replace("_", "-") for dest, default in args.run_defaults.items()
+                   if getattr(args, dest) != default)
+    if given:
+        raise UsageError(f"--merge reads only --out and --questions; {', '.join(given)} belong to a run "
+                         "(the settings come from the merged folders)")
+    for d in args.merge:
+        if not (Path(d) / "results.json").is_file():
+            raise UsageError(f"--merge: {d!r} holds no results.json (expected a `poss eval --out` folder)")
+    merge(args.merge, Path(args.out), args.questions)
+    print((Path(args.out) / "table.md").read_text())
+    return 0
+
+
 def _check(args) -> None:
     """Every check that needs no model or data: raises ``UsageError`` naming the flag."""
     check_target(args.target)
@@ -77,7 +110,11 @@ def _check(args) -> None:
             raise UsageError(f"--dataset: no such file {f!r} (expected a JSONL file)")
 
 
-def run_eval(args) -> int:
+def run(args) -> int:
+    if args.merge is not None:
+        return run_merge(args)
+    if args.questions is not None:
+        raise UsageError("--questions needs --merge (it picks the questions of the merged folders)")
     from poss.data.eval_sets import EVAL_SETS, EXTRA_SETS, load_eval_set
 
     if args.datasets in ("all", "none"):
@@ -88,16 +125,13 @@ def run_eval(args) -> int:
     if unknown:
         raise UsageError(f"--datasets: unknown set(s) {unknown}; known: {', '.join(EVAL_SETS + EXTRA_SETS)}")
     _check(args)
-    import torch
-
     from poss.eval.report import write
     from poss.eval.run import ResumeConflict, Settings, evaluate
     from poss.hardware import resolve_dtype
 
     datasets = {n: load_eval_set(n) for n in names}
     datasets.update({Path(f).stem: load_eval_set(f) for f in args.dataset})
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args)
     drafts = args.drafts
     if drafts is None:
         from poss.models.registry import shipped_drafts

@@ -1,34 +1,29 @@
 """``poss serve``: load the model once, then serve the OpenAI API with uvicorn until Ctrl-C."""
 
-import argparse
 import sys
 from pathlib import Path
 
-from poss.cli_args import (
-    DATASTORE_HELP,
-    DRAFT_VOCAB_HELP,
-    LOOKUP_HELP,
-    RETUNE_HELP,
+from poss.cli.args import (
     Formatter,
-    UsageError,
-    check_draft,
-    check_target,
-    datastore_arg,
+    add_device,
+    add_draft,
+    add_dtype,
+    add_speculate_max_batch,
+    add_target,
+    add_threads,
+    add_tree,
+    check_model,
     int_at_least,
-    int_or_auto,
-    target_help,
+    set_threads,
+    tree_from_args,
 )
-from poss.models.draft_config import DRAFT_VOCABS
-
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-def add_serve_parser(sub) -> argparse.ArgumentParser:
+def add_parser(sub):
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and completions, streaming)",
                        formatter_class=Formatter)
-    p.add_argument("--target", default="smollm2-135m", help=target_help())
-    p.add_argument("--draft", default=None, help="PosS draft folder (default: the shipped one for the target)")
-    p.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
+    add_target(p)
+    add_draft(p)
     p.add_argument("--served-model-name", default=None,
                    help="the `model` the API accepts (default: the target's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -38,23 +33,11 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--default-max-tokens", type=int_at_least(1), default=512,
                    help="max_tokens when a request gives none")
     p.add_argument("--max-body", type=int_at_least(1), default=1 << 20, help="largest request body in bytes (then 413)")
-    p.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="the models' dtype; auto: bfloat16 on CUDA or a CPU with AMX/AVX512-BF16, else float32")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--num-nodes", type=int_or_auto(1, 256), default="auto",
-                   help="tree nodes verified per round, root included (auto: sized for this machine, timed once at "
-                        "batch 1)")
-    p.add_argument("--depth", type=int_or_auto(0), default="auto", help="draft positions below the root")
-    p.add_argument("--beam-width", "--top-k-draft", dest="beam_width", type=int_at_least(1), default=10,
-                   help="draft candidates kept per tree level")
-    p.add_argument("--lookup", type=int_or_auto(0), default="auto", help=LOOKUP_HELP)
-    p.add_argument("--speculate-max-batch", type=int_or_auto(1, words=("auto", "off")), default="auto",
-                   help="speculate only while at most this many requests are live; larger batches decode "
-                        "plainly (auto: measured once on this machine; off: always speculate)")
-    p.add_argument("--datastore", type=datastore_arg, default="auto", help=DATASTORE_HELP)
-    p.add_argument("--draft-vocab", choices=DRAFT_VOCABS, default="trained", help=DRAFT_VOCAB_HELP)
-    p.add_argument("--retune", action="store_true", help=RETUNE_HELP)
+    add_threads(p)
+    add_dtype(p, "run")
+    add_device(p, "cpu")
+    add_speculate_max_batch(p, "requests")
+    add_tree(p)  # auto sizes are timed once, at batch 1
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level")
     return p
@@ -65,36 +48,24 @@ def model_name(target: str) -> str:
     return path.stem if path.suffix == ".gguf" else path.name if path.exists() else target
 
 
-def _check(args) -> None:
-    """Every check that needs no model (the numeric flags are checked by their types)."""
-    if args.draft and args.no_draft:
-        raise UsageError("--draft and --no-draft exclude each other")
-    check_target(args.target)
-    check_draft(args.draft)
-
-
-def run_serve(args) -> int:
-    _check(args)
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def run(args) -> int:
+    check_model(args)  # the numeric flags are checked by their types
+    set_threads(args)
     import uvicorn
 
-    from poss.cli_args import chosen_draft
+    from poss.cli.args import chosen_draft
     from poss.decode.loader import load
-    from poss.decode.params import tree_from_flags
     from poss.serve.app import create_app
     from poss.serve.backend import ContinuousBackend
     from poss.serve.engine import Engine
     from poss.serve.metrics import Metrics
 
+    tree = tree_from_args(args)  # a tree over the kernel's limits is refused before loading
     draft = chosen_draft(args, "poss serve")
     try:
         gen = load(args.target, draft=draft, dtype=args.dtype, device=args.device, retune=args.retune,
                    datastore=args.datastore, draft_vocab=args.draft_vocab)
-        tree = gen.resolve_tree(tree_from_flags(args.num_nodes, args.depth, args.beam_width, args.lookup),
-                                beam_width=args.beam_width,
+        tree = gen.resolve_tree(tree, beam_width=args.beam_width,
                                 **({} if args.lookup == "auto" else {"lookup": args.lookup}))
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"poss serve: {exc}", file=sys.stderr)
