@@ -90,9 +90,8 @@ void check_layer(const at::Tensor& x, const LayerWeights& w, const LayerInputs& 
               in.num_kv_heads);
   const int64_t B = x.size(0), T = x.size(1), H = x.size(2), S = in.k_cache.size(2),
                 D = in.k_cache.size(3);
-  TORCH_CHECK(D == 64 || D == 80 || D == 96 || D == 128 || D == 256,
-              "k_cache.size(3) (head dim D) must be one of 64, 80, 96, 128, 256, got shape ",
-              shape_str(in.k_cache));
+  TORCH_CHECK(supported_head_dim(D), "k_cache.size(3) (head dim D) must be one of ", head_dims_text(),
+              ", got shape ", shape_str(in.k_cache));
   check_dtype(in.k_cache, "k_cache", x.scalar_type());
   check_size(in.k_cache, "k_cache", 0, B, "B");
   check_size(in.k_cache, "k_cache", 1, in.num_kv_heads, "num_kv_heads");

@@ -15,10 +15,8 @@ import torch
 from torch import Tensor
 
 from poss_ext import reference
+from poss_ext.limits import EMPTY_CANDIDATE, HEAD_DIMS, MAX_TREE_NODES, PAD, ROOT
 
-ROOT, PAD, EMPTY_CANDIDATE = -1, -2, -2
-ATTENTION_HEAD_DIMS = (64, 80, 96, 128, 256)
-ATTENTION_MAX_TREE_NODES = 256
 INT32_MAX = 2**31 - 1
 
 
@@ -250,8 +248,8 @@ def check_tree_attention(q, k_cache, v_cache, prefix_len, parents, scale) -> Non
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         _fail(f"q must be float32, bfloat16 or float16, got {_dtype_name(q.dtype)}")
     B, Hq, Nq, D = q.shape
-    if D not in ATTENTION_HEAD_DIMS:
-        _fail(f"q.size(3) (head dim D) must be one of 64, 80, 96, 128, 256, got shape {_shape(q)}")
+    if D not in HEAD_DIMS:
+        _fail(f"q.size(3) (head dim D) must be one of {', '.join(map(str, HEAD_DIMS))}, got shape {_shape(q)}")
     check_dim(k_cache, "k_cache", 4, "[B, Hkv, S, D]")
     check_dtype(k_cache, "k_cache", q.dtype)
     check_size(k_cache, "k_cache", 0, B, "B (q.size(0))")
@@ -286,9 +284,9 @@ def check_tree_attention(q, k_cache, v_cache, prefix_len, parents, scale) -> Non
     par, pl = parents.tolist(), prefix_len.tolist()
     for b in range(B):
         n_real, chain = check_tree(par[b], b)
-        if not (chain or n_real <= ATTENTION_MAX_TREE_NODES):
+        if not (chain or n_real <= MAX_TREE_NODES):
             _fail(f"parents[{b}] is a general (non-chain) tree with {n_real} real nodes; at most "
-                  f"{ATTENTION_MAX_TREE_NODES} are supported (chains, parents[i] = i - 1, have no limit)")
+                  f"{MAX_TREE_NODES} are supported (chains, parents[i] = i - 1, have no limit)")
         if not (pl[b] >= 0 and pl[b] + n_real <= S):
             _fail(f"prefix_len[{b}] = {pl[b]} must be >= 0 and leave room for the tree's {n_real} real nodes "
                   f"in k_cache (S = {S})")

@@ -42,9 +42,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-ROOT, PAD = tl.constexpr(-1), tl.constexpr(-2)  # parents of the root and of padding nodes
-MAX_TREE_NODES = 256  # general (non-chain) trees; the same limit as the C++ kernels
-HEAD_DIMS = (64, 80, 96, 128, 256)
+from poss_ext import limits
+from poss_ext.limits import HEAD_DIMS, MAX_TREE_NODES
+
+ROOT, PAD = tl.constexpr(limits.ROOT), tl.constexpr(limits.PAD)  # parents of the root and of padding nodes
 MAX_SPLITS = 64
 
 # Whether triton decided, when this module's kernels were decorated, to interpret them (it reads

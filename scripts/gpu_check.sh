@@ -5,6 +5,7 @@
 # torch.compile, and the CUDA op tests under compute-sanitizer. Stages run in that order, most
 # important first, each under its own time limit, so a hang or a failure in one still leaves the
 # others' results. At most 8 files land in $out: build.log, tests.log, e2e.log, bench.log, 4 JSON.
+# Without a GPU visible to torch it stops at once (exit 2) with a message.
 #   bash scripts/gpu_check.sh            (writes logs and JSON under ${OUT:-out}/)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +23,14 @@ per_test=""
 python3 -c "import pytest_timeout" 2>/dev/null && per_test="--timeout=120"
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader || true
+# Everything below builds and runs CUDA code: without a GPU it would spend minutes on a CUDA build and
+# then skip or fail every stage. Say so and stop.
+if ! python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "gpu_check.sh: no GPU visible to torch (torch.cuda.is_available() is False; nvidia-smi above says" \
+    "what the driver sees). This check is for a CUDA machine; on a CPU-only machine run the test suite:" \
+    "pytest tests/" >&2
+  exit 2
+fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(), 'triton', triton.__version__)"
 
 stamp "build (in place, sm_${TORCH_CUDA_ARCH_LIST/./})"
@@ -44,7 +53,7 @@ done
 rm -f "$out/one.log"
 
 stamp "end-to-end loop, synthetic Llama-3-8B shapes (random weights, bf16)"
-timeout 150 python3 scripts/gpu_e2e.py --json "$out/e2e_llama3_8b.json" 2>&1 | tee "$out/e2e.log" | grep -v "^Loading"
+timeout 150 python3 bench/bench_gpu_e2e.py --json "$out/e2e_llama3_8b.json" 2>&1 | tee "$out/e2e.log" | grep -v "^Loading"
 
 stamp "CUDA benchmarks: tree_verify"
 POSS_BENCH_DEVICE=cuda timeout 100 python3 -m pytest bench/bench_tree_verify.py -q -p no:cacheprovider --benchmark-only \
@@ -59,7 +68,7 @@ timeout 60 python3 -m pytest bench/bench_triton_attention.py -q -p no:cacheprovi
 [ -f "$out/triton_attention_cuda.json" ] && python3 bench/report.py "$out/triton_attention_cuda.json"
 
 stamp "end-to-end loop again, steps through torch.compile (mode reduce-overhead: CUDA graphs)"
-timeout 180 python3 scripts/gpu_e2e.py --compile --json "$out/e2e_llama3_8b_compiled.json" >"$out/one.log" 2>&1
+timeout 180 python3 bench/bench_gpu_e2e.py --compile --json "$out/e2e_llama3_8b_compiled.json" >"$out/one.log" 2>&1
 grep -E "^(decode step|60/6 round|ratios|total|Traceback|[A-Za-z]*Error)|skipping cudagraphs" "$out/one.log" | tail -8
 { echo "=== compiled"; cat "$out/one.log"; } >>"$out/e2e.log" && rm "$out/one.log"
 if command -v compute-sanitizer >/dev/null; then

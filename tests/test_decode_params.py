@@ -6,8 +6,9 @@ import torch
 
 from poss.decode import verify as verify_mod
 from poss.decode.draft_tree import root_only_tree
-from poss.decode.params import SamplingParams, SamplingTensors, TreeParams, batch_seed
+from poss.decode.params import SamplingParams, SamplingTensors, TreeParams, batch_seed, tree_spec
 from poss.models.draft_config import DraftConfig
+from poss_ext.limits import MAX_CUDA_CANDIDATES, MAX_TREE_NODES
 
 
 @pytest.mark.parametrize("kw,match", [(dict(temperature=-1), "temperature"), (dict(top_k=-1), "top_k"),
@@ -31,10 +32,11 @@ def test_the_edges_of_the_sampling_ranges_build_their_tensors():
     torch.Generator().manual_seed(ps[0].seed)
 
 
-@pytest.mark.parametrize("kw,match", [(dict(num_nodes=0), "num_nodes"), (dict(num_nodes=257), "num_nodes"),
+@pytest.mark.parametrize("kw,match", [(dict(num_nodes=0), "num_nodes"),
+                                      (dict(num_nodes=MAX_TREE_NODES + 1), "num_nodes"),
                                       (dict(depth=-1), "depth"), (dict(beam_width=0), "beam_width"),
-                                      (dict(depth=40, beam_width=10), "256 nodes"),
-                                      (dict(depth=11, beam_width=15), "2048")])
+                                      (dict(depth=40, beam_width=10), f"{MAX_TREE_NODES} nodes"),
+                                      (dict(depth=11, beam_width=15), str(MAX_CUDA_CANDIDATES))])
 def test_bad_tree_parameters_are_clear_errors(kw, match):
     with pytest.raises(ValueError, match=match):
         TreeParams(**kw)
@@ -72,3 +74,16 @@ def test_draft_config_reads_the_old_key(tmp_path):
     text = (tmp_path / "config.json").read_text().replace('"positions_per_specialist"', '"ppl"')
     (tmp_path / "config.json").write_text(text)
     assert DraftConfig.load(tmp_path / "config.json") == cfg
+
+
+def test_tree_specs_parse_with_and_without_a_chain():
+    """``N/D+K`` (the benches' and ``--tree``'s spelling): N nodes, depth D, a K-token lookup chain."""
+    assert tree_spec("4/1+4") == TreeParams(num_nodes=4, depth=1, lookup=4)
+    assert tree_spec("6/2") == TreeParams(num_nodes=6, depth=2)
+    assert tree_spec("1/0+6") == TreeParams(num_nodes=1, depth=0, lookup=6)
+
+
+@pytest.mark.parametrize("spec", ["4-1", "4/1+", "4/1/2", "0/0", "4/1+-2"])
+def test_bad_tree_specs_are_rejected(spec):
+    with pytest.raises(ValueError):
+        tree_spec(spec)

@@ -250,30 +250,3 @@ def test_training_from_a_later_answer_reads_that_answers_features(model, tmp_pat
         torch.testing.assert_close(got[b, :n].float(), want[b, :n].float(), rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError, match="only 5 training"):
         distilled_dataset(tmp_path, fp, 0, 2, 1, train_start=5)
-
-
-def test_answers_cut_to_a_shorter_cap_are_that_caps_run_and_extend_with_it(model, tmp_path):
-    """scripts/cut_distill_answers.py: a set made with 8-token answers, cut at 4, equals the set a 4-token
-    run writes for the same prompts (greedy answers are prefix-stable), and ``distill`` extends it."""
-    from helpers.scripts import load_script
-
-    gen = make_generator(model)
-    gen.encode = encoder()
-    convs = conversations(12)
-    distill(gen, convs, tmp_path / "long", n_train=4, n_val=1, batch_size=2, max_new_tokens=8, progress=False)
-    load_script("cut_distill_answers").main([str(tmp_path / "long"), str(tmp_path / "cut"), "--cap", "4"])
-    distill(gen, convs, tmp_path / "short", n_train=4, n_val=1, batch_size=2, max_new_tokens=4, progress=False)
-
-    def by_key(d):
-        return {r["key"]: r for r in read_records(d)}
-
-    cut, short = by_key(tmp_path / "cut"), by_key(tmp_path / "short")
-    assert cut == short and any(r["truncated"] for r in cut.values())
-    assert any(len(r["answer_ids"]) == 8 for r in read_records(tmp_path / "long"))
-    calls = []
-    real = gen.generate
-    gen.generate = lambda prompts, **kw: calls.append(len(prompts)) or real(prompts, **kw)
-    meta = distill(gen, convs, tmp_path / "cut", n_train=6, n_val=1, batch_size=4, max_new_tokens=4, progress=False)
-    assert calls == [2] and meta["recipe"]["n_train"] == 6  # only the new prompts were generated
-    with pytest.raises(SystemExit, match="--cap must be"):
-        load_script("cut_distill_answers").main([str(tmp_path / "short"), str(tmp_path / "x"), "--cap", "5"])

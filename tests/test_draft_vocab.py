@@ -182,34 +182,3 @@ def test_generate_with_the_full_draft_vocab_gives_the_same_answer(tmp_path, caps
     assert answers[0] == answers[1] and answers[0].strip()
     assert main(base + ["all"]) == 2
     assert "--draft-vocab" in capsys.readouterr().err
-
-
-def test_resize_script_keeps_the_weights_and_grows_or_shrinks_the_map(tmp_path):
-    from helpers.scripts import load_script
-    from helpers.train_tiny import tiny_target
-    from poss.models.draft import PosSDraft
-    from poss.testing import random_draft
-
-    rs = load_script("resize_draft_vocab")
-    runner = tiny_target(max_batch=1)
-    V = runner.lm_head.shape[0]
-    random_draft(runner, n=2, ppl=1, draft_vocab=40).save(tmp_path / "d")
-    src = PosSDraft.load(tmp_path / "d")
-    old = set(src.token_map.tolist())
-    others = sorted(set(range(V)) - old)
-    end = max(old)  # an end token that loses every tie: kept anyway
-    # answers: the map's ids once each, others[:5] ten times, others[5:8] three times (others[5] wins the tie)
-    counts = Counter({t: 1 for t in old})
-    counts.update({t: 10 for t in others[:5]})
-    counts.update({t: 3 for t in others[5:8]})
-    big = PosSDraft.load(rs.resize(tmp_path / "d", tmp_path / "big", 46, counts, [end]))
-    assert set(big.token_map.tolist()) == old | set(others[:6]) and big.config.draft_vocab == 46
-    assert big.config.training["vocab_resized_from"] == 40
-    counts.update({t: 5 for t in sorted(old)[:10]})  # the map's 10 lowest ids are now its most frequent
-    small = PosSDraft.load(rs.resize(tmp_path / "d", tmp_path / "small", 12, counts, [end]))
-    assert set(small.token_map.tolist()) == set(sorted(old)[:10]) | {end} | {sorted(old)[10]}
-    for d in (big, small):
-        for (name, a), (_, b) in zip(src.named_parameters(), d.named_parameters()):
-            assert torch.equal(a.half(), b.half()), name
-    with pytest.raises(ValueError, match="--k must be in"):
-        rs.resize(tmp_path / "d", tmp_path / "bad", V + 1, counts, [end])

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import poss_ext
 from helpers.devices import devices
 from poss_ext import reference
+from poss_ext.limits import HEAD_DIMS
 
 TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
 
@@ -69,7 +70,7 @@ def check(q, k, v, prefix_len, parents, scale=None):
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("D", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("D", HEAD_DIMS)
 @pytest.mark.parametrize("ratio", [1, 3, 4, 8])
 def test_matches_dense_sdpa(device, dtype, D, ratio):
     gen = torch.Generator().manual_seed(D * 10 + ratio)

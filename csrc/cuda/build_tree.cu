@@ -15,11 +15,10 @@ namespace poss {
 namespace {
 
 constexpr int kThreads = 256;
-// Shared memory per candidate: key (8 B), node (4 B), depth (4 B), kept flag (1 B). 2048
-// candidates stay under the 48 KiB every architecture grants without opt-in (EAGLE-2 defaults
-// give 510).
+// Shared memory per candidate: key (8 B), node (4 B), depth (4 B), kept flag (1 B);
+// kMaxCudaCandidates (poss/limits.h) of them stay under 48 KiB (EAGLE-2 defaults give 510).
 constexpr int64_t kSmemPerCandidate = 17;
-constexpr int64_t kMaxCandidates = 2048;
+static_assert(kMaxCudaCandidates * kSmemPerCandidate <= 48 * 1024, "build_tree's shared memory");
 
 __global__ void build_tree_kernel(const int64_t* __restrict__ cand_tokens,
                                   const float* __restrict__ cand_scores,
@@ -98,7 +97,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> build_tree_cuda(const at::Tensor&
                                                                int64_t num_nodes) {
   const auto [B, M] = check_build_tree_args(cand_tokens_in, cand_scores_in, cand_parents_in,
                                             root_token_in, num_nodes);
-  TORCH_CHECK(M <= kMaxCandidates, "cand_tokens.size(1) (M) must be <= ", kMaxCandidates,
+  TORCH_CHECK(M <= kMaxCudaCandidates, "cand_tokens.size(1) (M) must be <= ", kMaxCudaCandidates,
               " on CUDA (the candidates of a request live in shared memory), got ", M);
   const c10::cuda::CUDAGuard guard(cand_tokens_in.device());
   const at::Tensor cand_tokens = cand_tokens_in.contiguous(),

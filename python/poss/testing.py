@@ -81,3 +81,21 @@ def eval_prompts(n_per_set=4, max_len=48, vocab=300):
             text = records[(17 * i + 3) % len(records)]["turns"][0]
             out.append([b % vocab for b in text.encode()][:max_len])
     return out
+
+
+def byte_chat_tokenizer():
+    """An HF fast tokenizer with one token per byte (ids < 256) and a two-token chat template
+    (``<user>`` text ``<bot>``): enough for the code that applies chat templates (``gen.encode`` of
+    messages, ``poss.train.regenerate``) on a :func:`tiny_target` (vocab 300)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, additional_special_tokens=["<user>", "<bot>"],
+                                   eos_token="<bot>")
+    fast.chat_template = ("{% for m in messages %}{{ ('<user>' if m['role'] == 'user' else '<bot>') + m['content'] }}"
+                          "{% endfor %}{% if add_generation_prompt %}{{ '<bot>' }}{% endif %}")
+    return fast

@@ -38,8 +38,6 @@
 
 namespace poss {
 
-constexpr int32_t kEmptyCandidate = -2;
-
 // A read-only view of one request's candidates.
 struct CandidateView {
   const int64_t* tokens;   // [m]

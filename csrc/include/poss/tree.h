@@ -8,12 +8,10 @@
 
 #include <cstdint>
 
+#include "poss/limits.h"
 #include "poss/macros.h"
 
 namespace poss {
-
-constexpr int32_t kRootParent = -1;
-constexpr int32_t kPadParent = -2;
 
 // A read-only view of one request's tree.
 struct TreeView {

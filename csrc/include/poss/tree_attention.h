@@ -17,7 +17,7 @@
 namespace poss {
 
 // General (non-chain) trees keep one ancestor bitmask per node: kAttnMaskWords x 64 bits.
-constexpr int32_t kAttnMaxTreeNodes = 256;
+constexpr int32_t kAttnMaxTreeNodes = kMaxTreeNodes;
 constexpr int32_t kAttnMaskWords = kAttnMaxTreeNodes / 64;
 
 // Whether a scanned tree fits the attention kernels: chains have no size limit (no mask is stored).

@@ -26,9 +26,8 @@ inline TreeAttnShape check_tree_attention_args(const at::Tensor& q, const at::Te
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
               "q must be float32, bfloat16 or float16, got ", dt);
   const int64_t B = q.size(0), Hq = q.size(1), Nq = q.size(2), D = q.size(3);
-  TORCH_CHECK(D == 64 || D == 80 || D == 96 || D == 128 || D == 256,
-              "q.size(3) (head dim D) must be one of 64, 80, 96, 128, 256, got shape ",
-              shape_str(q));
+  TORCH_CHECK(supported_head_dim(D), "q.size(3) (head dim D) must be one of ", head_dims_text(),
+              ", got shape ", shape_str(q));
   check_dim(k_cache, "k_cache", 4, "[B, Hkv, S, D]");
   check_dtype(k_cache, "k_cache", dt);
   check_size(k_cache, "k_cache", 0, B, "B (q.size(0))");

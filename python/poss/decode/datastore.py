@@ -12,7 +12,7 @@ and verification does not change, so the output stays exactly the target's.
 On 16 MT-Bench prompts x 256 tokens with the shipped PosS-2 draft, falling back to the shipped
 smollm2-135m datastore (1.15M answer tokens) where the context holds no match raised tau at 3/1+5
 from 2.49 to 2.58 and at 4/1+4 from 2.41 to 2.50, and 3/1+5 ran 2.07x our AR loop against 2.00x
-(``scripts/tree_sweep.py --datastore-ab``, AVX512-BF16 EPYC, bf16, one thread). A lookup costs 3-11 us on
+(``bench/bench_tree_sweep.py --datastore-ab``, AVX512-BF16 EPYC, bf16, one thread). A lookup costs 3-11 us on
 the host, a hit to a miss (``bench/bench_datastore.py``).
 
 The file is a NumPy ``.npz`` holding ``tokens`` (uint16 or int32 token ids, answers separated by -1

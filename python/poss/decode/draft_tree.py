@@ -31,7 +31,8 @@ from torch import Tensor
 
 import poss_ext
 from poss.decode.batch import BatchState
-from poss.models.tree import ROOT, chain_parents
+from poss.models.tree import chain_parents
+from poss_ext.limits import ROOT
 
 
 @dataclass

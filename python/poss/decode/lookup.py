@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, List, Optional, Sequence
 import torch
 
 from poss.decode.draft_tree import Tree
-from poss.models.tree import PAD
+from poss_ext.limits import PAD
 
 if TYPE_CHECKING:
     from poss.decode.datastore import Datastore

@@ -14,10 +14,10 @@ from typing import List, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-# Tree attention takes at most this many real nodes per tree; build_tree on CUDA at most this many
-# candidates (see poss_ext.ops).
-MAX_TREE_NODES = 256
-MAX_TREE_CANDIDATES = 2048
+# Tree attention takes at most MAX_TREE_NODES real nodes per tree, build_tree on CUDA at most
+# MAX_CUDA_CANDIDATES candidates: a tree is held to both on every device, so that it runs anywhere.
+from poss_ext.limits import MAX_CUDA_CANDIDATES as MAX_TREE_CANDIDATES
+from poss_ext.limits import MAX_TREE_NODES
 
 # The sampler works in float32 with 1 / temperature and takes top_k as int32, and seeds are 64-bit:
 # values that pass a float64 / Python-int check but not these would fail mid-batch.

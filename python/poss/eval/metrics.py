@@ -60,7 +60,7 @@ def tau_from_pos_acc(acc: Sequence[float]) -> float:
     tau is 1 plus the sum of those probabilities, so for one histogram ``tau_from_pos_acc(pos_acc(h,
     depth))`` is ``tau_of(h)`` (pooled over its rounds) when no round accepts more than ``depth``. A NaN
     rate (no round reached that depth) ends the sum: nothing gets past it. This is how a change of
-    pos-acc at some depths translates into tau (``scripts/tau_what_if.py``)."""
+    pos-acc at some depths translates into tau."""
     total, reach = 1.0, 1.0
     for a in acc:
         if a != a:  # NaN

@@ -1,7 +1,8 @@
 """Trees as every poss op encodes them, and the eager attention over one.
 
 A batch of trees is ``parents [B, N] int32``: node 0 is the root (parent ``ROOT = -1``), every other
-real node names an earlier node as its parent, and ``PAD = -2`` marks padding nodes (ragged batches).
+real node names an earlier node as its parent, and ``PAD = -2`` marks padding nodes (ragged batches);
+both come from :mod:`poss_ext.limits`.
 A prefill is a chain (parent of i is i - 1). :func:`dense_tree_attention` is the eager, differentiable
 ``tree_attention`` the eager specialist uses; ``poss_ext.reference`` keeps its own copy on purpose
 (it is the test oracle of the kernels and must not share code with what it checks).
@@ -13,8 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-ROOT = -1
-PAD = -2
+from poss_ext.limits import PAD
 
 
 def chain_parents(lengths: Sequence[int], width: int, device=None) -> Tensor:

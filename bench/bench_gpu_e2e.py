@@ -2,8 +2,11 @@
 GB/s against the device's measured read bandwidth, and what a 60-node verify round costs against a
 decode step.
 
-    python scripts/gpu_e2e.py                      (CUDA, bf16, Llama-3-8B shapes: ~16 GB of weights)
-    python scripts/gpu_e2e.py --tiny --device cpu  (the same code on tiny shapes: a CPU smoke test)
+    PYTHONPATH=.:python python bench/bench_gpu_e2e.py            (CUDA, bf16, Llama-3-8B shapes: ~16 GB of weights)
+    PYTHONPATH=.:python python bench/bench_gpu_e2e.py --compile  (the steps through torch.compile: CUDA graphs)
+    PYTHONPATH=.:python pytest bench/bench_gpu_e2e.py --benchmark-disable -q   (tiny shapes on the CPU, seconds)
+
+scripts/gpu_check.sh runs the first two on a lent GPU machine.
 
 Weights are random (the draft agrees with the target by chance only, tau ~ 1): the figures are costs,
 not speed-ups. Shapes: hidden 4096, 32 heads, 8 KV heads, FFN 14336, vocab 128256, 32 layers.
@@ -177,6 +180,22 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     print(f"total {time.perf_counter() - t0:.0f} s")
+
+
+# -- smoke (pytest): the same code on tiny shapes, on the CPU ------------------------------------------
+def test_tiny_shapes_cpu(benchmark, bench_threads, tmp_path, capsys):
+    """The whole report (per-op table, both loops, the ratios, the JSON) on tiny shapes; the loop is timed."""
+    out = tmp_path / "e2e.json"
+    benchmark.pedantic(main, (["--tiny", "--device", "cpu", "--context", "32", "--new", "8", "--json", str(out)],),
+                       rounds=1, iterations=1)
+    text = capsys.readouterr().out
+    assert "ratios to one decode step" in text and "| decoder_layer | 60 |" in text
+    res = json.loads(out.read_text())
+    assert set(res["ops"]["1"]) == {"decoder_layer", "final rms_norm", "lm_head"}
+    assert all(r["ms"] > 0 for ops in res["ops"].values() for r in ops.values())
+    # 8 new tokens: the prefill gives the first, then one per round without a draft, at least one with it
+    assert res["loop"]["decode step"]["rounds"] == 7
+    assert 1 <= res["loop"]["60/6 round"]["rounds"] <= 7 and res["ratio_round_to_step"] > 0
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Where a round's time goes: per-phase milliseconds (draft, verify, commit, host) from the generator's
 own profile, and the share of each kind of op from ``torch.profiler``, for a few tree sizes.
 
-    PYTHONPATH=.:python python scripts/profile_round.py --draft drafts/poss2 --trees 1/0 8/3 16/4 60/6 \\
-        --threads 1 --out docs/bench/profile_round.md
+    PYTHONPATH=.:python python bench/bench_profile_round.py --draft drafts/poss2 --trees 1/0 8/3 16/4 60/6 \\
+        --threads 1 --out out/profile_round.md
+    PYTHONPATH=.:python pytest bench/bench_profile_round.py --benchmark-disable -q   (tiny random model, seconds)
 
 Greedy, batch 1, one MT-Bench first turn, ``--new`` tokens per tree after a warm-up (end tokens
 ignored, so every tree does the same number of tokens). The op table groups ``torch.profiler``'s self
@@ -15,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 GROUPS = (("GEMM", ("poss::linear", "aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm")),
@@ -98,6 +100,37 @@ def main(argv=None) -> int:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(md)
     return 0
+
+
+# -- smoke (pytest): a tiny random model and draft ---------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_gen():
+    from poss.testing import make_generator, tiny_target
+
+    gen = make_generator(tiny_target(), draft=True, n=3, ppl=2, aligned=True)
+    gen.end_ids = set()
+    return gen
+
+
+def test_group_of_sorts_ops_by_kind():
+    assert group_of("aten::addmm") == group_of("poss::linear") == "GEMM"
+    assert group_of("poss::tree_attention") == "tree attention"
+    assert group_of("poss::kv_compact") == "other poss ops"
+    assert group_of("aten::topk") == group_of("aten::mmx") == "everything else"
+
+
+@pytest.mark.parametrize("spec", ["1/0", "8/3", "3/1+2"])
+def test_round_tiny(benchmark, bench_threads, tiny_gen, spec):
+    from poss.decode.params import tree_spec
+    from poss.testing import eval_prompts
+
+    tree, prompt = tree_spec(spec), eval_prompts(1)[0][:24]
+    tiny_gen.generate([prompt], 4, tree=tree)  # warm-up at this shape
+    p = benchmark.pedantic(phases, (tiny_gen, prompt, 12, tree), rounds=1, iterations=1)
+    assert p["ms"]["verify"] > 0 and p["ms"]["draft"] > 0
+    assert p["tokens_per_s"] > 0 and 1 <= p["rounds"] <= 12 and p["tau"] >= 1
+    shares = op_shares(tiny_gen, prompt, 8, tree)
+    assert sum(shares.values()) == pytest.approx(1.0) and shares.get("GEMM", 0) > 0
 
 
 if __name__ == "__main__":

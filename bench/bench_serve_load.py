@@ -2,7 +2,9 @@
 number per level; prints requests/s and tokens/s as a Markdown table.
 
     poss serve --target smollm2-135m --max-batch 16 &
-    python scripts/serve_load.py --url http://127.0.0.1:8000 --concurrency 1 4 16 --requests 32
+    python bench/bench_serve_load.py --url http://127.0.0.1:8000 --concurrency 1 4 16 --requests 32
+    PYTHONPATH=.:python pytest bench/bench_serve_load.py --benchmark-disable -q
+        (the same client against the app in-process on a tiny random model, seconds)
 
 Each level sends ``--requests`` requests through ``--concurrency`` client tasks (each task sends its
 next request when the previous one ends), greedy, ``--max-tokens`` each. Tokens are the server's
@@ -17,6 +19,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 PROMPTS = [
     "Explain how a rainbow forms.", "Write a short poem about the sea.", "What is the capital of Japan?",
@@ -52,7 +55,10 @@ async def one(client, model, prompt, max_tokens):
     return time.perf_counter() - start, first or 0.0, tokens, tau
 
 
-async def level(url, model, concurrency, requests, max_tokens, timeout):
+async def level(url, model, concurrency, requests, max_tokens, timeout, transport=None):
+    """``requests`` streamed requests through ``concurrency`` client tasks: ``(results, errors, seconds)``,
+    a result ``(latency s, time to first token s, completion tokens, tau)`` per finished request.
+    ``transport``: an httpx transport instead of the network (the smoke test's in-process app)."""
     todo = list(range(requests))
     results, errors = [], []
 
@@ -65,7 +71,7 @@ async def level(url, model, concurrency, requests, max_tokens, timeout):
                 errors.append(str(exc))
 
     limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits, transport=transport) as client:
         start = time.perf_counter()
         try:
             await asyncio.wait_for(asyncio.gather(*(worker(client) for _ in range(concurrency))), timeout)
@@ -73,6 +79,16 @@ async def level(url, model, concurrency, requests, max_tokens, timeout):
             errors.append(f"level timed out after {timeout} s")
         wall = time.perf_counter() - start
     return results, errors, wall
+
+
+def row(concurrency, results, errors, wall):
+    """One table row: concurrency, done, errors, seconds, requests/s, tokens/s, mean latency, median TTFT, tau."""
+    tokens = sum(r[2] for r in results)
+    taus = [r[3] for r in results if r[3] is not None]
+    return (concurrency, len(results), len(errors), wall, len(results) / wall, tokens / wall,
+            statistics.mean(r[0] for r in results) if results else 0.0,
+            statistics.median(r[1] for r in results) if results else 0.0,
+            statistics.mean(taus) if taus else 0.0)
 
 
 def main(argv=None) -> int:
@@ -88,12 +104,7 @@ def main(argv=None) -> int:
     rows = []
     for c in args.concurrency:
         results, errors, wall = asyncio.run(level(args.url, model, c, args.requests, args.max_tokens, args.timeout))
-        tokens = sum(r[2] for r in results)
-        taus = [r[3] for r in results if r[3] is not None]
-        rows.append((c, len(results), len(errors), wall, len(results) / wall, tokens / wall,
-                     statistics.mean(r[0] for r in results) if results else 0.0,
-                     statistics.median(r[1] for r in results) if results else 0.0,
-                     statistics.mean(taus) if taus else 0.0))
+        rows.append(row(c, results, errors, wall))
         for e in errors[:3]:
             print(f"concurrency {c}: error: {e}", file=sys.stderr)
     print(f"model `{model}`, {args.requests} streaming chat requests per level, max_tokens {args.max_tokens}, greedy\n")
@@ -103,6 +114,49 @@ def main(argv=None) -> int:
     for c, done, err, wall, rps, tps, lat, ttft, tau in rows:
         print(f"| {c} | {done} | {err} | {wall:.1f} | {rps:.2f} | {tps:.1f} | {lat:.2f} | {ttft:.2f} | {tau:.2f} |")
     return 0 if all(r[2] == 0 for r in rows) else 1
+
+
+# -- smoke (pytest): the client against the app in-process, on a tiny random model and draft ------------
+class _ByteTokenizer:
+    """Text as its UTF-8 bytes folded into the tiny model's vocabulary (no chat template: the messages'
+    contents are joined)."""
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def __len__(self):
+        return self.vocab
+
+    def __call__(self, text, add_special_tokens=True):
+        return type("Encoding", (), {"input_ids": [b % self.vocab for b in text.encode()][:40]})()
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(i % 128 for i in ids).decode("ascii", errors="replace")
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_load_tiny_in_process(benchmark, bench_threads, concurrency):
+    pytest.importorskip("fastapi")
+    from poss.decode.params import TreeParams
+    from poss.serve.app import create_app
+    from poss.serve.backend import ContinuousBackend
+    from poss.serve.engine import Engine
+    from poss.testing import make_generator, tiny_target
+
+    gen = make_generator(tiny_target(), draft=True, n=3, ppl=2, aligned=True)
+    gen.tokenizer, gen.end_ids = _ByteTokenizer(300), set()
+    engine = Engine(ContinuousBackend(gen, max_batch=2, tree=TreeParams(num_nodes=6, depth=2)))
+    app = create_app(engine, "tiny")
+
+    async def run():
+        async with app.router.lifespan_context(app):
+            return await level("http://tiny", "tiny", concurrency, 4, 6, 120, transport=httpx.ASGITransport(app))
+
+    results, errors, wall = benchmark.pedantic(lambda: asyncio.run(run()), rounds=1, iterations=1)
+    assert errors == [] and len(results) == 4
+    assert all(r[2] == 6 and r[0] > 0 and r[3] >= 1 for r in results)  # max_tokens each, the draft's tau
+    c, done, err, _, rps, tps, *_ = row(concurrency, results, errors, wall)
+    assert (c, done, err) == (concurrency, 4, 0) and tps == pytest.approx(6 * rps)
 
 
 if __name__ == "__main__":
