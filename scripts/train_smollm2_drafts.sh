@@ -34,7 +34,7 @@ PY=${PY:-python}
 DATA=${DATA:-$RUNS/distill}
 INIT=${INIT:-$RUNS/eagle2-init/best}
 EPOCHS=${EPOCHS:-1}
-# 3e-4: scripts/lr_probe.sh from drafts/eagle2 (60 steps on the same batches): 3e-4 lowered the loss at
+# 3e-4: a learning-rate probe from drafts/eagle2 (scripts/lr_probe.sh, removed in c546da9) (60 steps on the same batches): 3e-4 lowered the loss at
 # every logged step, 1e-3 first undid part of the init's training, 3e-3 and 1e-2 diverged.
 LR=${LR:-3e-4}
 BATCH=${BATCH:-4}
