@@ -355,6 +355,22 @@ def _low(xs: Sequence[float]) -> float:
     return xs[len(xs) // 4]
 
 
+def run_greedy(gen, prompts: Sequence, new_tokens: int, tree: TreeParams,
+               profile: Optional[Dict[str, List[float]]] = None) -> List:
+    """Greedy decoding of ``prompts`` (token ids or texts) as one batch on ``tree``, always
+    speculating, every request running its full ``new_tokens`` (no end tokens), the rounds' phase
+    seconds appended to ``profile``: each request's :class:`~poss.decode.engine.Stats`. The generator's
+    own settings are not touched."""
+    from poss.decode.engine import DecodeEngine
+
+    engine = DecodeEngine(gen, tree, speculate_max_batch=None, end_ids=(), profile=profile)
+    ids = [engine.add(gen.encode(p), new_tokens) for p in prompts]
+    stats = {}
+    while engine.has_work():
+        stats.update({ev.id: ev.stats for ev in engine.step() if ev.finished})
+    return [stats[i] for i in ids]
+
+
 def time_configs(gen, prompts: Sequence, new_tokens: int, configs) -> Tuple[Dict, Dict, Dict]:
     """Greedy generation (batch 1) of every ``(T, d)`` of ``configs`` on every prompt, interleaved per
     prompt (a load spike on a shared machine hits all of them alike); a config ``(T, d, K)`` adds a
@@ -365,32 +381,29 @@ def time_configs(gen, prompts: Sequence, new_tokens: int, configs) -> Tuple[Dict
     verify: Dict[int, List[float]] = {}
     draft: Dict[Tuple[int, int], List[float]] = {}
     counts = {c: [0, 0, 0] for c in configs}  # tokens after the first, rounds, nodes past the roots
-    saved_end, saved_profile = gen.end_ids, gen.profile
-    gen.end_ids = set()  # every request runs its full length
-    # disable=None: a bar on a terminal only (the first `poss generate` on a machine waits here).
-    bar = tqdm(total=len(prompts) * len(configs), desc="timing tree sizes (once per machine)", unit="config",
-               leave=False, disable=None)
+    # disable=None: a bar on a terminal only.
+    bar = tqdm(total=len(prompts) * len(configs), desc="timing tree sizes", unit="config", leave=False,
+               disable=None)
     try:
-        gen.generate([prompts[0]], 4, num_nodes=60, depth=6 if gen.draft else 0)  # warm-up
+        run_greedy(gen, [prompts[0]], 4, TreeParams(num_nodes=60, depth=6 if gen.draft else 0))  # warm-up
         for p in prompts:
             for c in configs:
                 T, d, K = (*c, 0)[:3]
                 bar.update()
-                gen.profile = {}
-                res = gen.generate([p], new_tokens, num_nodes=T, depth=d, beam_width=CALIBRATION_BEAM, lookup=K)
-                counts[c][0] += res.stats[0].tokens - 1  # the prefill makes the first token
-                counts[c][1] += res.stats[0].rounds
-                counts[c][2] += res.stats[0].draft_tokens
+                prof: Dict[str, List[float]] = {}
+                stats = run_greedy(gen, [p], new_tokens, TreeParams(num_nodes=T, depth=d, beam_width=CALIBRATION_BEAM,
+                                                                    lookup=K), prof)[0]
+                counts[c][0] += stats.tokens - 1  # the prefill makes the first token
+                counts[c][1] += stats.rounds
+                counts[c][2] += stats.draft_tokens
                 if K:
                     continue  # a chain's rows vary per round: the costs come from the plain trees
-                prof = gen.profile
                 phases = zip(*(prof.get(k, []) for k in ("verify", "commit", "host")))
                 verify.setdefault(T, []).extend(sum(x) for x in phases)
                 if d:
                     draft.setdefault((T, d), []).extend(prof["draft"])
     finally:
         bar.close()
-        gen.end_ids, gen.profile = saved_end, saved_profile
     return verify, draft, counts
 
 
@@ -509,23 +522,18 @@ def measure_batches(gen, tree: TreeParams, prompts: Sequence[Sequence[int]], bat
     The requests must differ: copies of one prompt accept alike and find the same lookup chains, so no
     row of a round waits on another or pads its tree; with 4 copies of one prompt a 4/1+5 tree measured
     1.07x plain rounds, on 4 different prompts it ran 0.78x (AVX512-BF16 EPYC, one thread)."""
-    saved_end, saved_profile, saved_limit = gen.end_ids, gen.profile, gen.speculate_max_batch
-    gen.end_ids, gen.speculate_max_batch = set(), None  # time the tree rounds even where they lose
     out = {}
-    try:
-        for B in batches:
-            batch = [prompts[i % len(prompts)] for i in range(B)]
-            rates = []
-            for T, d, K in ((1, 0, 0), (tree.num_nodes, tree.depth, tree.lookup)):
-                kw = dict(num_nodes=T, depth=d, beam_width=tree.beam_width, lookup=K)
-                gen.generate(batch, 2, **kw)  # warm-up
-                gen.profile = {}
-                res = gen.generate(batch, new_tokens, **kw)
-                seconds = sum(sum(v) for v in gen.profile.values())
-                rates.append(sum(s.tokens - 1 for s in res.stats) / max(seconds, 1e-9))
-            out[B] = (rates[0], rates[1])
-    finally:
-        gen.end_ids, gen.profile, gen.speculate_max_batch = saved_end, saved_profile, saved_limit
+    for B in batches:
+        batch = [prompts[i % len(prompts)] for i in range(B)]
+        rates = []
+        for T, d, K in ((1, 0, 0), (tree.num_nodes, tree.depth, tree.lookup)):
+            t = TreeParams(num_nodes=T, depth=d, beam_width=tree.beam_width, lookup=K)
+            run_greedy(gen, batch, 2, t)  # warm-up
+            prof: Dict[str, List[float]] = {}
+            stats = run_greedy(gen, batch, new_tokens, t, prof)
+            seconds = sum(sum(v) for v in prof.values())
+            rates.append(sum(s.tokens - 1 for s in stats) / max(seconds, 1e-9))
+        out[B] = (rates[0], rates[1])
     return out
 
 
