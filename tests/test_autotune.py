@@ -156,8 +156,8 @@ def test_auto_tree_is_measured_cached_and_lossless(target, tmp_path, monkeypatch
     assert len(files) == 1
     # the second call reads the cache (no timing: generate must not run)
     monkeypatch.setattr(autotune, "measure", lambda *a, **k: pytest.fail("measured twice"))
-    tree = auto_tree(gen, prompts=prompts)
-    assert tree == choose(c)
+    tree, source = auto_tree(gen)
+    assert tree == choose(c) and source == "timed on this machine"
     for p in PROMPTS:
         assert gen.generate([p], NEW, tree=tree).token_ids[0] == hf_greedy(target, p, NEW)
 
@@ -183,9 +183,9 @@ def test_refine_pools_the_best_trees_tau_over_more_prompts(monkeypatch):
     assert (4, 2) in top
     asked = []
 
-    def fake_time(gen, prompts, new_tokens, configs):
+    def fake_time(gen, prompts, new_tokens, configs, deadline=None):
         asked.append((len(prompts), list(configs)))
-        return {}, {}, {k: ([380, 190, 570] if k == (4, 2) else [300, 200, 600]) for k in configs}
+        return {}, {}, {k: ([380, 190, 570] if k == (4, 2) else [300, 200, 600]) for k in configs}, len(prompts)
 
     monkeypatch.setattr(autotune, "time_configs", fake_time)
     r = autotune.refine(DraftedGen(), c, ["p"] * 6, 64, rows=0)
@@ -202,10 +202,10 @@ def refined_with_chains(monkeypatch, gain: float, rows_per_round: float):
     c = close_small_trees()
     asked = []
 
-    def fake_time(gen, prompts, new_tokens, configs):
+    def fake_time(gen, prompts, new_tokens, configs, deadline=None):
         asked.append(list(configs))
         return {}, {}, {k: ([int(300 * gain), 200, int(200 * (rows_per_round - 1))] if len(k) == 3
-                            else [300, 200, 200 * (k[0] - 1)]) for k in configs}
+                            else [300, 200, 200 * (k[0] - 1)]) for k in configs}, len(prompts)
 
     monkeypatch.setattr(autotune, "time_configs", fake_time)
     return autotune.refine(DraftedGen(), c, ["p"] * 4, 64, rows=8), asked[0]
@@ -266,7 +266,7 @@ def test_refinement_times_only_the_contenders_again(target, tmp_path, monkeypatc
 
 def test_auto_tree_without_draft_is_plain_decoding(target):
     gen = make_generator(target, draft=False)
-    assert auto_tree(gen) == TreeParams(num_nodes=1, depth=0)
+    assert auto_tree(gen) == (TreeParams(num_nodes=1, depth=0), "no draft")
 
 
 def test_cache_key_names_machine_dtype_and_models(target):
@@ -304,9 +304,9 @@ def test_auto_default_tree_is_resolved_once_and_overridable(target, monkeypatch)
     picked = TreeParams(num_nodes=8, depth=3, beam_width=4)
     calls = []
 
-    def fake_auto(g, beam_width=10, **kw):
+    def fake_auto(g, beam_width=10):
         calls.append(beam_width)
-        return TreeParams(picked.num_nodes, picked.depth, beam_width)
+        return autotune.AutoTree(TreeParams(picked.num_nodes, picked.depth, beam_width), "fake")
 
     monkeypatch.setattr(autotune, "auto_tree", fake_auto)
     assert gen.resolve_tree() == TreeParams()  # a bare Generator keeps the fixed default
@@ -368,7 +368,7 @@ def test_a_busy_machine_warns_and_the_load_is_recorded(target, tmp_path, monkeyp
     monkeypatch.setattr(hardware, "usable_cores", lambda: 2)
     monkeypatch.setattr(os, "getloadavg", lambda: (3.5, 2.0, 1.0))
     monkeypatch.setattr(hardware, "own_load", lambda: 0.0)
-    with pytest.warns(RuntimeWarning, match=r"busy \(load average 3.5 on 2 cores\).*--retune"):
+    with pytest.warns(RuntimeWarning, match=r"busy \(load average 3.5 on 2 cores\).*poss tune"):
         c = autotune.calibrate(gen, prompts=PROMPTS[:1])
     assert c.key["loadavg"] == 3.5
     assert json.loads(autotune.cache_path(autotune.cache_key(gen)).read_text())["key"]["loadavg"] == 3.5

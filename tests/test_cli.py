@@ -244,7 +244,7 @@ def run_chat(gen, read, capsys):
     from poss.decode.cli import _speed_line, chat_loop  # noqa: F401
 
     orig = dc._speed_line
-    dc._speed_line = lambda stats: "[speed]"
+    dc._speed_line = lambda *a: "[speed]"
     try:
         rc = chat_loop(gen, {}, read=read)
     finally:

@@ -1,4 +1,4 @@
-"""The poss command line: generate, chat, train, distill, eval, serve, plus info and demo.
+"""The poss command line: generate, chat, tune, train, distill, eval, serve, plus info and demo.
 
 Every bad input ends in one line "poss <command>: <what was wrong>" and exit status 2; --debug shows
 the traceback instead.
@@ -26,6 +26,8 @@ def build_parser() -> Parser:
                                             formatter_class=Formatter), chat=False)
     decode_cli.add_arguments(sub.add_parser("chat", help="interactive multi-turn chat", formatter_class=Formatter),
                              chat=True)
+    decode_cli.add_tune_arguments(sub.add_parser("tune", help="time draft tree sizes on this machine (about a minute)",
+                                                 formatter_class=Formatter))
     train_cli.add_train_parser(sub)
     train_cli.add_distill_parser(sub)
     eval_cli.add_eval_parser(sub)
@@ -34,10 +36,11 @@ def build_parser() -> Parser:
 
 
 def _dispatch(args) -> int:
-    if args.command in ("generate", "chat"):
+    if args.command in ("generate", "chat", "tune"):
         from poss.decode import cli as decode_cli
 
-        return decode_cli.cmd_generate(args) if args.command == "generate" else decode_cli.cmd_chat(args)
+        run = {"generate": decode_cli.cmd_generate, "chat": decode_cli.cmd_chat, "tune": decode_cli.cmd_tune}
+        return run[args.command](args)
     if args.command in ("train", "distill"):
         from poss.train import cli as train_cli
 

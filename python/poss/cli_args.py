@@ -181,8 +181,8 @@ DRAFT_VOCAB_HELP = ("the rows of the target's lm_head a reduced-vocabulary draft
                     "6x larger; worth it where the head is cheap beside a verify, as on a GPU)")
 
 
-RETUNE_HELP = ("time this machine again instead of using the cached timings (after a first run on a busy "
-               "machine)")
+RETUNE_HELP = ("time tree sizes on this machine now (about a minute, as `poss tune`; refused while other work "
+               "holds the cores) and use the result")
 
 
 def target_help() -> str:

@@ -21,7 +21,7 @@ import hashlib
 import json
 import time
 import warnings
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -35,6 +35,7 @@ from poss.decode.cost_model import (
     fit_acceptance,
     score_table,
 )
+from poss.decode.engine import DecodeEngine, speculates
 from poss.decode.params import TreeParams
 
 REFINE_TOP, REFINE_PROMPTS, REFINE_TOKENS = 3, 4, 256  # trees timed again, on how many more prompts, how long
@@ -107,8 +108,8 @@ def warn_if_busy(what: str) -> Optional[float]:
     load, cores = hardware.load_average(), hardware.usable_cores()
     if load is not None and hardware.others_load() >= cores:
         warnings.warn(f"{what}: the machine is busy (load average {load:.1f} on {cores} cores), so the timings "
-                      "and the choice made from them may be off; they are cached: rerun with --retune "
-                      "(poss.load(..., retune=True)) when the machine is quiet", RuntimeWarning, stacklevel=3)
+                      "and the choice made from them may be off; they are cached: time again with `poss tune` "
+                      "(poss.decode.autotune.tune) when the machine is quiet", RuntimeWarning, stacklevel=3)
     return load
 
 
@@ -138,8 +139,6 @@ def run_greedy(gen, prompts: Sequence, new_tokens: int, tree: TreeParams,
     speculating, every request running its full ``new_tokens`` (no end tokens), the rounds' phase
     seconds appended to ``profile``: each request's :class:`~poss.decode.engine.Stats`. The generator's
     own settings are not touched."""
-    from poss.decode.engine import DecodeEngine
-
     engine = DecodeEngine(gen, tree, speculate_max_batch=None, end_ids=(), profile=profile)
     ids = [engine.add(gen.encode(p), new_tokens) for p in prompts]
     stats = {}
@@ -148,11 +147,14 @@ def run_greedy(gen, prompts: Sequence, new_tokens: int, tree: TreeParams,
     return [stats[i] for i in ids]
 
 
-def time_configs(gen, prompts: Sequence, new_tokens: int, configs) -> Tuple[Dict, Dict, Dict]:
+def time_configs(gen, prompts: Sequence, new_tokens: int, configs,
+                 deadline: Optional[float] = None) -> Tuple[Dict, Dict, Dict, int]:
     """Greedy generation (batch 1) of every ``(T, d)`` of ``configs`` on every prompt, interleaved per
     prompt (a load spike on a shared machine hits all of them alike); a config ``(T, d, K)`` adds a
-    K-token lookup chain. Returns the per-round seconds of everything but drafting by T, of drafting by
-    (T, d) (both from the plain configs only), and ``[tokens, rounds, draft tokens]`` by config."""
+    K-token lookup chain. Past ``deadline`` (a ``time.perf_counter()`` value) no further prompt starts,
+    the first always runs. Returns the per-round seconds of everything but drafting by T, of drafting
+    by (T, d) (both from the plain configs only), ``[tokens, rounds, draft tokens]`` by config, and how
+    many prompts were timed."""
     from tqdm import tqdm
 
     verify: Dict[int, List[float]] = {}
@@ -161,9 +163,13 @@ def time_configs(gen, prompts: Sequence, new_tokens: int, configs) -> Tuple[Dict
     # disable=None: a bar on a terminal only.
     bar = tqdm(total=len(prompts) * len(configs), desc="timing tree sizes", unit="config", leave=False,
                disable=None)
+    timed = 0
     try:
         run_greedy(gen, [prompts[0]], 4, TreeParams(num_nodes=60, depth=6 if gen.draft else 0))  # warm-up
         for p in prompts:
+            if timed and deadline is not None and time.perf_counter() > deadline:
+                break
+            timed += 1
             for c in configs:
                 T, d, K = (*c, 0)[:3]
                 bar.update()
@@ -181,7 +187,7 @@ def time_configs(gen, prompts: Sequence, new_tokens: int, configs) -> Tuple[Dict
                     draft.setdefault((T, d), []).extend(prof["draft"])
     finally:
         bar.close()
-    return verify, draft, counts
+    return verify, draft, counts, timed
 
 
 def _fit(acc: Sequence[float], rounds: Sequence[Tuple[int, int, int, int]]):
@@ -191,16 +197,19 @@ def _fit(acc: Sequence[float], rounds: Sequence[Tuple[int, int, int, int]]):
     return (taus, *fit_acceptance(acc, taus, CALIBRATION_BEAM))
 
 
-def measure(gen, prompts: Sequence, new_tokens: int = 32, configs=CALIBRATION) -> Calibration:
-    """Time every ``(T, d)`` of ``configs`` (:func:`time_configs`) and fit the acceptance; each cost is
-    the lower quartile of its per-round times."""
+def measure(gen, prompts: Sequence, new_tokens: int = 32, configs=CALIBRATION,
+            deadline: Optional[float] = None) -> Calibration:
+    """Time every ``(T, d)`` of ``configs`` (:func:`time_configs`, no prompt started past ``deadline``)
+    and fit the acceptance; each cost is the lower quartile of its per-round times. ``key["n_prompts"]``
+    says how many prompts were timed."""
     configs = [(T, d) for T, d in configs if gen.draft is not None or not d]
-    verify, draft, counts = time_configs(gen, prompts, new_tokens, configs)
+    verify, draft, counts, timed = time_configs(gen, prompts, new_tokens, configs, deadline=deadline)
     rounds = [(T, d, n, r) for (T, d), (n, r, _) in counts.items() if d]
     acc = draft_accuracy(gen.draft) if gen.draft is not None else [0.0]
     taus, s, beta = _fit(acc, rounds)
     return Calibration({k: 1e3 * _low(v) for k, v in verify.items()},
-                       [(T, d, 1e3 * _low(v)) for (T, d), v in draft.items()], acc, s, beta, taus, rounds)
+                       [(T, d, 1e3 * _low(v)) for (T, d), v in draft.items()], acc, s, beta, taus, rounds,
+                       key={"n_prompts": timed})
 
 
 def lookup_rows(gen) -> int:
@@ -214,13 +223,14 @@ def lookup_rows(gen) -> int:
 
 
 def refine(gen, cal: Calibration, prompts: Sequence, new_tokens: int = REFINE_TOKENS,
-           top: int = REFINE_TOP, rows: Optional[int] = None) -> Calibration:
+           top: int = REFINE_TOP, rows: Optional[int] = None, deadline: Optional[float] = None) -> Calibration:
     """``cal`` with the tau of its ``top`` best speculative trees (by :func:`score_table`) pooled over
     ``prompts`` too: tokens and rounds add up, and the acceptance model is fitted again. The costs stay
     the first stage's (they vary less from prompt to prompt than tau does). The :data:`LOOKUP_TREES`
     best and the :data:`LOOKUP_ALWAYS` trees are also timed with a lookup chain that fills them to
     ``rows`` rows (:func:`chain_tokens`; None: :func:`lookup_rows`; 0: no chains), and each chain's tau
-    ratio over its plain tree (same prompts) and rows per round are kept."""
+    ratio over its plain tree (same prompts) and rows per round are kept. No prompt starts past
+    ``deadline``; ``key["n_more_prompts"]`` says how many were timed."""
     contenders = [(r["num_nodes"], r["depth"]) for r in score_table(cal) if r["depth"] and not r["lookup"]][:top]
     if gen.draft is None or not contenders or not prompts:
         return cal
@@ -228,7 +238,7 @@ def refine(gen, cal: Calibration, prompts: Sequence, new_tokens: int = REFINE_TO
     chained = list(dict.fromkeys(contenders[:LOOKUP_TREES] + list(LOOKUP_ALWAYS))) if rows else []
     plain = list(dict.fromkeys(contenders + chained))
     chains = {(T, d): (T, d, chain_tokens(T, rows)) for T, d in chained}
-    _, _, counts = time_configs(gen, prompts, new_tokens, plain + list(chains.values()))
+    _, _, counts, n_timed = time_configs(gen, prompts, new_tokens, plain + list(chains.values()), deadline=deadline)
     pooled = {(T, d): [n, r] for T, d, n, r in cal.rounds}
     for c in plain:
         n, r, _ = counts[c]
@@ -242,25 +252,36 @@ def refine(gen, cal: Calibration, prompts: Sequence, new_tokens: int = REFINE_TO
         (n0, r0, _), (n, r, nodes) = counts[(T, d)], counts[c]
         if n0 and r and r0:
             timed.append((*c, round((n / r) / (n0 / r0), 4), round(1 + nodes / r, 3)))
-    return Calibration(cal.verify_ms, cal.draft_ms, cal.acc, s, beta, taus, rounds, timed, cal.key)
+    return Calibration(cal.verify_ms, cal.draft_ms, cal.acc, s, beta, taus, rounds, timed,
+                       {**cal.key, "n_more_prompts": n_timed})
+
+
+def cached_calibration(gen) -> Optional[Calibration]:
+    """This machine's cached calibration of ``gen`` (:func:`calibrate`), or None: never times."""
+    path = cache_path(cache_key(gen))
+    try:
+        return Calibration.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def calibrate(gen, n_prompts: int = 3, new_tokens: int = 64, refresh: bool = False, cache: bool = True,
               prompts: Optional[Sequence] = None, more_prompts: Optional[Sequence] = None,
-              n_more: int = REFINE_PROMPTS, more_tokens: int = REFINE_TOKENS) -> Calibration:
-    """The cached calibration of ``gen`` (measured on first use: tens of seconds on a small CPU model).
+              n_more: int = REFINE_PROMPTS, more_tokens: int = REFINE_TOKENS,
+              budget_s: Optional[float] = None) -> Calibration:
+    """The calibration of ``gen``: the cached one, else timed now (and cached).
 
     ``prompts`` (token ids) are timed at every calibration tree for ``new_tokens`` tokens,
     ``more_prompts`` only at the best few, for ``more_tokens`` (:func:`refine`); by default the last
     ``n_prompts`` MT-Bench first turns and the ``n_more`` before them. Passing ``prompts`` alone skips
-    the refinement."""
+    the refinement. ``budget_s``: no prompt starts once the first stage has used half of it, or the
+    refinement the rest (each stage times at least one prompt); None: every prompt."""
     key = cache_key(gen)
     path = cache_path(key)
-    if cache and not refresh and path.exists():
-        try:
-            return Calibration.from_json(json.loads(path.read_text()))
-        except (ValueError, KeyError, TypeError):
-            pass
+    if cache and not refresh:
+        cal = cached_calibration(gen)
+        if cal is not None:
+            return cal
     if prompts is None and gen.tokenizer is not None:
         texts = calibration_ids(gen, n_prompts + n_more)
         prompts, more_prompts = texts[len(texts) - n_prompts:], texts[:len(texts) - n_prompts]
@@ -268,12 +289,12 @@ def calibrate(gen, n_prompts: int = 3, new_tokens: int = 64, refresh: bool = Fal
         raise ValueError("calibration needs prompts (this generator has no tokenizer: pass token ids)")
     load = warn_if_busy("timing draft tree sizes")
     t = time.perf_counter()
-    cal = measure(gen, prompts, new_tokens)
+    cal = measure(gen, prompts, new_tokens, deadline=None if budget_s is None else t + budget_s / 2)
     if more_prompts:
-        cal = refine(gen, cal, more_prompts, more_tokens)
-    cal.key = {**key, "seconds": round(time.perf_counter() - t, 1), "n_prompts": len(prompts),
-               "n_more_prompts": len(more_prompts or []), "new_tokens": new_tokens,
-               "more_tokens": more_tokens if more_prompts else 0, "loadavg": load}
+        cal = refine(gen, cal, more_prompts, more_tokens, deadline=None if budget_s is None else t + budget_s)
+    cal.key = {**key, "seconds": round(time.perf_counter() - t, 1), "n_prompts": cal.key.get("n_prompts"),
+               "n_more_prompts": cal.key.get("n_more_prompts", 0), "new_tokens": new_tokens,
+               "more_tokens": more_tokens if more_prompts else 0, "budget_s": budget_s, "loadavg": load}
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(cal.to_json(), indent=1))
@@ -285,7 +306,7 @@ BATCHES = (2, 4, 8, 16)
 
 
 def measure_batches(gen, tree: TreeParams, prompts: Sequence[Sequence[int]], batches: Sequence[int] = BATCHES,
-                    new_tokens: int = 32) -> Dict[int, Tuple[float, float]]:
+                    new_tokens: int = 32, deadline: Optional[float] = None) -> Dict[int, Tuple[float, float]]:
     """Tokens/s of the decode rounds of ``B`` requests (greedy), the first ``B`` of ``prompts`` (reused
     in turn when there are fewer): ``{B: (root-only rounds, tree rounds)}``. A tree round's cost grows
     with ``B * num_nodes`` rows while a decode step's barely grows with ``B``, so on a CPU speculation
@@ -293,9 +314,14 @@ def measure_batches(gen, tree: TreeParams, prompts: Sequence[Sequence[int]], bat
 
     The requests must differ: copies of one prompt accept alike and find the same lookup chains, so no
     row of a round waits on another or pads its tree; with 4 copies of one prompt a 4/1+5 tree measured
-    1.07x plain rounds, on 4 different prompts it ran 0.78x (AVX512-BF16 EPYC, one thread)."""
+    1.07x plain rounds, on 4 different prompts it ran 0.78x (AVX512-BF16 EPYC, one thread). Past
+    ``deadline`` (a ``time.perf_counter()`` value) no further size starts; the first always runs."""
+    from tqdm import tqdm
+
     out = {}
-    for B in batches:
+    for B in tqdm(batches, desc="timing batch sizes", unit="size", leave=False, disable=None):
+        if out and deadline is not None and time.perf_counter() > deadline:
+            break
         batch = [prompts[i % len(prompts)] for i in range(B)]
         rates = []
         for T, d, K in ((1, 0, 0), (tree.num_nodes, tree.depth, tree.lookup)):
@@ -309,37 +335,127 @@ def measure_batches(gen, tree: TreeParams, prompts: Sequence[Sequence[int]], bat
     return out
 
 
-def speculation_limit(gen, tree: TreeParams, max_batch: Optional[int] = None, refresh: bool = False,
-                      cache: bool = True) -> Optional[int]:
-    """:func:`batch_limit` of ``gen`` with ``tree`` over the :data:`BATCHES` up to ``max_batch`` (and
-    ``max_batch`` itself), measured once (seconds) and cached like the calibration; None (no limit)
-    when ``tree`` does not speculate or ``max_batch`` is 1."""
-    if gen.draft is None or tree.depth == 0 or tree.num_nodes == 1 or max_batch == 1:
-        return None
+def _batch_limit_path(gen, tree: TreeParams, max_batch: Optional[int]):
+    """Where the batch limit of ``gen`` with ``tree`` up to ``max_batch`` is cached, and the sizes it times."""
     batches = sorted({b for b in BATCHES if max_batch is None or b < max_batch} | ({max_batch} - {None}))
     key = {**cache_key(gen), "batch_limit_for": [tree.num_nodes, tree.depth, tree.beam_width]
            + ([tree.lookup] if tree.lookup else []), "batches": batches}
-    path = cache_path(key)
-    if cache and not refresh and path.exists():
-        try:
-            return json.loads(path.read_text())["limit"]
-        except (ValueError, KeyError, TypeError):
-            pass
+    return cache_path(key), key, batches
+
+
+def measure_speculation_limit(gen, tree: TreeParams, max_batch: Optional[int] = None,
+                              deadline: Optional[float] = None) -> Optional[int]:
+    """Time :func:`measure_batches` over the :data:`BATCHES` up to ``max_batch`` (and ``max_batch``
+    itself), cache and return its :func:`~poss.decode.cost_model.batch_limit` (None: no limit). Sizes
+    cut by ``deadline`` are not claimed: the limit is then at most the largest size timed."""
+    if not speculates(gen.draft, tree) or max_batch == 1:
+        return None
+    path, key, batches = _batch_limit_path(gen, tree, max_batch)
     prompts = calibration_ids(gen, max(batches))
     if not prompts:
         raise ValueError("measuring the batch limit needs prompts (this generator has no tokenizer)")
     load = warn_if_busy("timing batch sizes")
-    tok_s = measure_batches(gen, tree, prompts, batches)
+    tok_s = measure_batches(gen, tree, prompts, batches, deadline=deadline)
     limit = batch_limit(tok_s)
-    if cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"key": key, "tokens_per_s": {B: list(v) for B, v in tok_s.items()},
-                                    "limit": limit, "loadavg": load}, indent=1))
+    if limit is None and len(tok_s) < len(batches):
+        limit = max(tok_s)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"key": key, "tokens_per_s": {B: list(v) for B, v in tok_s.items()},
+                                "limit": limit, "loadavg": load}, indent=1))
     return limit
 
 
-def auto_tree(gen, beam_width: int = 10, **calibrate_kw) -> TreeParams:
-    """``TreeParams`` for ``gen`` maximising expected tokens/s (root-only when there is no draft)."""
+def speculation_limit(gen, tree: TreeParams, max_batch: Optional[int] = None) -> Optional[int]:
+    """The batch size above which rounds of ``tree`` stop speculating for ``gen`` (None: no limit):
+    this machine's timing (:func:`measure_speculation_limit`, ``poss tune``) when there is one, else
+    the draft's shipped default for this machine (:mod:`poss.decode.shipped_trees`). Never times."""
+    if not speculates(gen.draft, tree) or max_batch == 1:
+        return None
+    path, _, _ = _batch_limit_path(gen, tree, max_batch)
+    try:
+        return json.loads(path.read_text())["limit"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return _shipped(gen, tree.beam_width).speculate_max_batch
+
+
+class AutoTree(NamedTuple):
+    """The tree ``"auto"`` resolved to and where it came from (``timed on this machine``, ``shipped
+    for <class>/<dtype>``, a fallback, or ``no draft``)."""
+
+    tree: TreeParams
+    source: str
+
+
+def _shipped(gen, beam_width: int):
+    from poss.decode.shipped_trees import shipped_tree
+
+    return shipped_tree(getattr(gen, "draft_dir", None), gen.runner.device, gen.runner.dtype, beam_width)
+
+
+def auto_tree(gen, beam_width: int = 10) -> AutoTree:
+    """The tree for ``gen``: the one with the most expected tokens/s by this machine's cached timing
+    (:func:`calibrate`), else the draft's shipped tree for this machine's class and dtype, else a
+    fallback; root-only when there is no draft. Never times (:func:`tune` does)."""
     if gen.draft is None:
-        return TreeParams(num_nodes=1, depth=0, beam_width=beam_width)
-    return choose(calibrate(gen, **calibrate_kw), beam_width)
+        return AutoTree(TreeParams(num_nodes=1, depth=0, beam_width=beam_width), "no draft")
+    cal = cached_calibration(gen)
+    if cal is not None:
+        return AutoTree(choose(cal, beam_width), "timed on this machine")
+    shipped = _shipped(gen, beam_width)
+    return AutoTree(shipped.tree, shipped.source)
+
+
+# -- timing on request -----------------------------------------------------------------------------
+class MachineBusy(RuntimeError):
+    """Other work holds the cores a timing would need: its figures would mislead the choice."""
+
+
+def busy_reason(threads: int) -> Optional[str]:
+    """Why timing at ``threads`` threads now would mislead (other work holds the cores it needs, by
+    the 1-minute load average less this process's share), or None when the cores are free."""
+    from poss import hardware
+
+    cores, others = hardware.usable_cores(), hardware.others_load()
+    if others > cores - threads + 0.5:
+        return (f"the machine is busy: other work keeps {others:.1f} of its {cores} cores busy (1-minute load "
+                f"average), and timing {threads} thread{'s' if threads > 1 else ''} needs them free")
+    return None
+
+
+TUNE_BUDGET_S = 60.0
+
+
+def tune(gen, budget_s: float = TUNE_BUDGET_S, force: bool = False, max_batch: Optional[int] = None,
+         tree: Optional[TreeParams] = None) -> str:
+    """Time this machine for ``gen`` now, within about ``budget_s`` seconds (progress bars on a
+    terminal), replace its cached timings, and return one line on what ``auto`` now picks.
+
+    Times the tree sizes (:func:`calibrate`); with ``max_batch`` > 1 also the batch size where
+    speculation stops paying, for ``tree`` (default: the tree just chosen), which gets a third of
+    the budget. Raises :class:`MachineBusy` when other work holds the cores (:func:`busy_reason`)
+    unless ``force``; nothing is then changed."""
+    if budget_s <= 0:
+        raise ValueError(f"budget_s must be > 0, got {budget_s}")
+    reason = busy_reason(torch.get_num_threads())
+    if reason is not None and not force:
+        raise MachineBusy(reason + "; not timing (the cached or shipped choices stay)")
+    if gen.draft is None:
+        return "no draft: auto is plain decoding, nothing to time"
+    start = time.perf_counter()
+    batches = max_batch is not None and max_batch > 1
+    forget(gen)
+    cal = calibrate(gen, refresh=True, budget_s=budget_s * (2 / 3 if batches else 1))
+    gen.forget_tuning()
+    chosen = choose(cal)
+    line = (f"tree {tree_label(chosen)} (timed {cal.key['n_prompts']} + {cal.key['n_more_prompts']} prompts "
+            f"in {cal.key['seconds']:.0f} s")
+    if batches:
+        t = tree or chosen
+        limit = measure_speculation_limit(gen, t, max_batch, deadline=start + budget_s)
+        line += f"; speculating {'at any batch' if limit is None else f'up to batch {limit}'} with {tree_label(t)}"
+    return line + ")"
+
+
+def tree_label(tree: TreeParams) -> str:
+    """``N/D`` or ``N/D+K`` (the form :func:`poss.decode.params.tree_spec` reads)."""
+    return f"{tree.num_nodes}/{tree.depth}" + (f"+{tree.lookup}" if tree.lookup else "")

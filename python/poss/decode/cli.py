@@ -30,7 +30,8 @@ def add_arguments(p: argparse.ArgumentParser, chat: bool) -> None:
         p.add_argument("--prompt", action="append", required=True, help="a user message (repeat for a batch)")
         p.add_argument("--speculate-max-batch", type=int_or_auto(1, words=("auto", "off")), default="auto",
                        help="speculate only while at most this many prompts are live; larger batches decode "
-                            "plainly (auto: measured once on this machine; off: always speculate)")
+                            "plainly (auto: this machine's timing from `poss tune --max-batch`, else the draft's "
+                            "shipped default; off: always speculate)")
     p.add_argument("--target", default="smollm2-135m", help=target_help())
     p.add_argument("--draft", default=None,
                    help="PosS draft folder (config.json + model.safetensors); default: the one shipped for the target")
@@ -51,9 +52,9 @@ def add_arguments(p: argparse.ArgumentParser, chat: bool) -> None:
     s.add_argument("--min-p", type=float_in(0, 1), default=0.0,
                    help="keep tokens at least this fraction as likely as the most likely one (0: off)")
     s.add_argument("--seed", type=int, default=None, help="makes sampling reproducible (default: a fresh seed)")
-    t = p.add_argument_group("draft tree (auto: the size with the most expected tokens/s on this machine, timed "
-                             "once per machine, dtype and draft, then cached; a size given alone takes 60 / 6 for "
-                             "the other)")
+    t = p.add_argument_group("draft tree (auto: the size with the most expected tokens/s by this machine's timing "
+                             "from `poss tune` / --retune, else the draft's tree shipped for this CPU class and dtype; "
+                             "a size given alone takes 60 / 6 for the other)")
     t.add_argument("--num-nodes", type=int_or_auto(1, 256), default="auto",
                    help="nodes verified per round, root included")
     t.add_argument("--depth", type=int_or_auto(0), default="auto", help="draft positions below the root")
@@ -112,12 +113,22 @@ def _load(args):
                 retune=args.retune, datastore=args.datastore, draft_vocab=args.draft_vocab)
 
 
-def _speed_line(stats) -> str:
+def _speed_line(result, gen=None) -> str:
+    """``[tokens, seconds, tokens/s, tau; the tree (and where auto took it from)]``."""
+    from poss.decode.autotune import tree_label
+
+    stats = result.stats
     tokens = sum(s.tokens for s in stats)
     seconds = max(s.seconds for s in stats) or 1e-9
     rounds = sum(s.rounds for s in stats)
     tau = sum(s.tau * s.rounds for s in stats) / rounds if rounds else 0.0
-    return f"[{tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tokens/s, tau {tau:.2f}]"
+    line = f"[{tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tokens/s, tau {tau:.2f}"
+    if result.tree is not None:
+        line += f"; tree {tree_label(result.tree)}"
+        auto = getattr(gen, "auto_choice", None)
+        if auto is not None and auto.tree == result.tree:
+            line += f" (auto: {auto.source})"
+    return line + "]"
 
 
 def _options(args):
@@ -150,12 +161,12 @@ def cmd_generate(args) -> int:
         for piece in gen.stream(args.prompt[0], **options):
             print(piece, end="", flush=True)
         print()
-        print(_speed_line(gen.last_result.stats), file=sys.stderr)
+        print(_speed_line(gen.last_result, gen), file=sys.stderr)
         return 0
     res = gen.generate(args.prompt, **options)
     for i, text in enumerate(res.texts):
         print(f"--- prompt {i}\n{text}")
-    print(_speed_line(res.stats), file=sys.stderr)
+    print(_speed_line(res, gen), file=sys.stderr)
     return 0
 
 
@@ -204,10 +215,51 @@ def chat_loop(gen, options, read=None, out=None, err=None) -> int:
             continue
         print(file=out)
         messages.append({"role": "assistant", "content": gen.last_result.texts[0]})
-        print(_speed_line(gen.last_result.stats), file=err)
+        print(_speed_line(gen.last_result, gen), file=err)
 
 
 def cmd_chat(args) -> int:
     options = _options(args)
     gen = _load(args)
     return chat_loop(gen, options)
+
+
+def add_tune_arguments(p: argparse.ArgumentParser) -> None:
+    """``poss tune``: time tree sizes (and batch sizes) on this machine for a model pair."""
+    p.add_argument("--target", default="smollm2-135m", help=target_help())
+    p.add_argument("--draft", default=None,
+                   help="PosS draft folder (config.json + model.safetensors); default: the one shipped for the target")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="weights and activations; auto: bfloat16 on CUDA or a CPU with AMX/AVX512-BF16, else float32")
+    p.add_argument("--datastore", type=datastore_arg, default="auto", help=DATASTORE_HELP)
+    p.add_argument("--draft-vocab", choices=DRAFT_VOCABS, default="trained", help=DRAFT_VOCAB_HELP)
+    p.add_argument("--budget", type=float_in(1), default=60.0, help="seconds to spend at most, about")
+    p.add_argument("--max-batch", type=int_at_least(1), default=None,
+                   help="also time where speculation stops paying, up to this batch (poss serve's --max-batch)")
+    p.add_argument("--force", action="store_true", help="time even while other work holds the cores")
+
+
+def cmd_tune(args) -> int:
+    from poss.cli_args import chosen_draft
+    from poss.decode.autotune import MachineBusy, busy_reason, tune
+    from poss.decode.loader import load
+    from poss.hardware import resolve_dtype
+
+    args.no_draft = False
+    check_target(args.target)
+    check_draft(args.draft)
+    import torch
+
+    reason = None if args.force else busy_reason(torch.get_num_threads())
+    if reason is not None:  # before loading the model: it would not be timed
+        print(f"poss tune: {reason}; not timing; --force times anyway", file=sys.stderr)
+        return 1
+    gen = load(args.target, draft=chosen_draft(args, "poss tune"), dtype=resolve_dtype(args.dtype, "cpu"),
+               datastore=args.datastore, draft_vocab=args.draft_vocab)
+    try:
+        print(f"poss tune: {tune(gen, budget_s=args.budget, force=args.force, max_batch=args.max_batch)}",
+              file=sys.stderr)
+    except MachineBusy as e:
+        print(f"poss tune: {e}; --force times anyway", file=sys.stderr)
+        return 1
+    return 0

@@ -11,6 +11,7 @@ root-only tree: plain autoregressive decoding on the same runner, the baseline o
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
@@ -84,9 +85,12 @@ class Generator:
         # training data from the same run, with no second target pass.
         self.keep_features = False
         # The tree of calls that pass none: a TreeParams, or "auto" (poss.load's default), resolved on
-        # first use by timing this machine (autotune; cached on disk) and then kept per beam width.
+        # first use (autotune.auto_tree: this machine's cached timing, else the draft's shipped tree)
+        # and then kept per beam width.
         self.default_tree: Union[TreeParams, str] = TreeParams()
-        self._auto_trees: Dict[tuple, TreeParams] = {}
+        self._auto_trees: Dict[tuple, autotune.AutoTree] = {}
+        self.auto_choice: Optional[autotune.AutoTree] = None  # what "auto" last resolved to, and why
+        self.draft_dir: Optional[Path] = None  # the draft's folder (poss.load sets it): its shipped trees
         self.speculate_max_batch = None
         self._limits: Dict[tuple, Optional[int]] = {}
         # Set by poss.decode.loader.compile_steps: compiled steps cost differently, so autotune keeps
@@ -189,14 +193,22 @@ class Generator:
         return tree
 
     def auto_tree(self, beam_width: int = TreeParams.beam_width) -> TreeParams:
-        """The tree that maximises expected tokens/s for this generator on this machine and dtype
-        (:func:`poss.decode.autotune.auto_tree`: verify and draft costs timed once and cached on disk, and
-        the draft's acceptance profile; root-only when plain decoding is faster), kept for the
-        generator's lifetime."""
+        """The tree ``"auto"`` stands for (:func:`poss.decode.autotune.auto_tree`: the one with the
+        most expected tokens/s by this machine's cached timing, else the draft's tree shipped for this
+        CPU class and dtype; root-only without a draft; nothing is timed here, see
+        :func:`poss.decode.autotune.tune`), kept for the generator's lifetime; :attr:`auto_choice`
+        says where it came from."""
         key = (beam_width, id(self.datastore))  # a datastore changes what the lookup chains are worth
         if key not in self._auto_trees:
             self._auto_trees[key] = autotune.auto_tree(self, beam_width=beam_width)
-        return self._auto_trees[key]
+        self.auto_choice = self._auto_trees[key]
+        return self.auto_choice.tree
+
+    def forget_tuning(self) -> None:
+        """Drop what ``"auto"`` resolved to in this generator (after :func:`poss.decode.autotune.tune`)."""
+        self._auto_trees.clear()
+        self._limits.clear()
+        self.auto_choice = None
 
     def speculation_limit(self, tree: TreeParams, max_batch: Optional[int] = None) -> Optional[int]:
         """The batch size above which rounds of ``tree`` do not speculate (None: no limit), from

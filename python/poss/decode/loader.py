@@ -21,16 +21,16 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
     ``dtype``: ``"auto"`` (the default) runs in bf16 on CUDA and on CPUs with hardware bf16 (AMX /
     AVX512-BF16) or AVX2 + FMA (``poss.linear``'s AVX2 bf16 kernel), else fp32
     (:func:`poss.hardware.resolve_dtype`); a name (``"bf16"``) or a torch dtype
-    is used as given. ``tree``: the generator's ``default_tree``: ``"auto"`` (the default) sizes the
-    draft tree for this machine, dtype and draft on the first call that needs it (timed once, about a
-    minute on a small CPU, then cached on disk; :meth:`Generator.auto_tree`), or a fixed
-    :class:`TreeParams`. ``speculate_max_batch``: the generator's
-    :attr:`~Generator.speculate_max_batch`: calls with more live requests decode plainly; ``"auto"``
-    (the default) measures where tree rounds stop paying on this machine (once, cached on disk), None
-    always speculates. ``retune``: forget this machine's cached timings for this target and draft
-    (:func:`poss.decode.autotune.forget`), so both ``"auto"`` choices measure again (after timings
-    taken on a busy machine). ``compile``: :func:`compile_steps` (off by default: on the development CPU it
-    bought 2-8 % for ~30 s of compilation, see docs/benchmarks.md). Raises ``ValueError`` when the draft
+    is used as given. ``tree``: the generator's ``default_tree``: ``"auto"`` (the default) is the tree
+    with the most expected tokens/s by this machine's timing when :func:`poss.decode.autotune.tune`
+    (``poss tune``) made one, else the draft's tree shipped for this CPU class and dtype (nothing is
+    timed unasked; :meth:`Generator.auto_tree`), or a fixed :class:`TreeParams`.
+    ``speculate_max_batch``: the generator's :attr:`~Generator.speculate_max_batch`: calls with more
+    live requests decode plainly; ``"auto"`` (the default) is this machine's timing or the shipped
+    default likewise, None always speculates. ``retune``: time this machine now (``tune``, about a
+    minute; refused with a warning while other work holds the cores). ``compile``:
+    :func:`compile_steps` (off by default: on the development CPU it bought 2-8 % for ~30 s of
+    compilation, see docs/benchmarks.md). Raises ``ValueError`` when the draft
     was trained for a different target. ``datastore``: the :class:`~poss.decode.datastore.Datastore`
     whose text fills a round's lookup chain where the context holds none: ``"auto"`` (the default) the
     one shipped for a registry target (:func:`~poss.decode.datastore.shipped_datastore_path`) when
@@ -57,13 +57,21 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
     gen = Generator(runner, tokenizer=tokenizer, draft=d, context_limit=context_limit, target_path=path,
                     generation_config=getattr(model, "generation_config", None),
                     datastore=load_datastore(datastore, target, runner))
+    gen.draft_dir = Path(draft) if draft is not None else None
     gen.default_tree = tree
     gen.speculate_max_batch = speculate_max_batch
+    if compile:
+        compile_steps(gen)  # before timing: compiled steps cost differently
     if retune:
-        from poss.decode.autotune import forget
+        import warnings
 
-        forget(gen)
-    return compile_steps(gen) if compile else gen
+        from poss.decode.autotune import MachineBusy, tune
+
+        try:
+            tune(gen)
+        except MachineBusy as e:
+            warnings.warn(f"retune: {e}", RuntimeWarning, stacklevel=2)
+    return gen
 
 
 def load_datastore(datastore: Union[str, Path, None], target: Union[str, Path], runner):

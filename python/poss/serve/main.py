@@ -43,15 +43,16 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="the models' dtype; auto: bfloat16 on CUDA or a CPU with AMX/AVX512-BF16, else float32")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--num-nodes", type=int_or_auto(1, 256), default="auto",
-                   help="tree nodes verified per round, root included (auto: sized for this machine, timed once at "
-                        "batch 1)")
+                   help="tree nodes verified per round, root included (auto: this machine's timing from `poss tune` "
+                        "/ --retune, else the draft's tree shipped for this CPU class and dtype)")
     p.add_argument("--depth", type=int_or_auto(0), default="auto", help="draft positions below the root")
     p.add_argument("--beam-width", "--top-k-draft", dest="beam_width", type=int_at_least(1), default=10,
                    help="draft candidates kept per tree level")
     p.add_argument("--lookup", type=int_or_auto(0), default="auto", help=LOOKUP_HELP)
     p.add_argument("--speculate-max-batch", type=int_or_auto(1, words=("auto", "off")), default="auto",
                    help="speculate only while at most this many requests are live; larger batches decode "
-                        "plainly (auto: measured once on this machine; off: always speculate)")
+                        "plainly (auto: this machine's timing from --retune, else the draft's shipped default; "
+                        "off: always speculate)")
     p.add_argument("--datastore", type=datastore_arg, default="auto", help=DATASTORE_HELP)
     p.add_argument("--draft-vocab", choices=DRAFT_VOCABS, default="trained", help=DRAFT_VOCAB_HELP)
     p.add_argument("--retune", action="store_true", help=RETUNE_HELP)
@@ -82,6 +83,7 @@ def run_serve(args) -> int:
     import uvicorn
 
     from poss.cli_args import chosen_draft
+    from poss.decode.autotune import tree_label
     from poss.decode.loader import load
     from poss.decode.params import tree_from_flags
     from poss.serve.app import create_app
@@ -91,10 +93,18 @@ def run_serve(args) -> int:
 
     draft = chosen_draft(args, "poss serve")
     try:
-        gen = load(args.target, draft=draft, dtype=args.dtype, device=args.device, retune=args.retune,
-                   datastore=args.datastore, draft_vocab=args.draft_vocab)
-        tree = gen.resolve_tree(tree_from_flags(args.num_nodes, args.depth, args.beam_width, args.lookup),
-                                beam_width=args.beam_width,
+        gen = load(args.target, draft=draft, dtype=args.dtype, device=args.device, datastore=args.datastore,
+                   draft_vocab=args.draft_vocab)
+        flags = tree_from_flags(args.num_nodes, args.depth, args.beam_width, args.lookup)
+        if args.retune:  # the tree sizes, then the batch limit of the tree served, within about a minute
+            from poss.decode.autotune import MachineBusy, tune
+
+            try:
+                print(f"poss serve: {tune(gen, max_batch=args.max_batch, tree=None if flags == 'auto' else flags)}",
+                      file=sys.stderr)
+            except MachineBusy as exc:
+                print(f"poss serve: --retune: {exc}", file=sys.stderr)
+        tree = gen.resolve_tree(flags, beam_width=args.beam_width,
                                 **({} if args.lookup == "auto" else {"lookup": args.lookup}))
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"poss serve: {exc}", file=sys.stderr)
@@ -115,8 +125,11 @@ def run_serve(args) -> int:
     def started():
         spec = info["speculate_max_batch"]
         spec = "never" if spec == 0 else "always" if spec is None else f"up to batch {spec}"
-        print(f"poss serve: {name} at {url} (draft: {draft or 'none'}, speculating {spec}; "
-              f"max batch {args.max_batch}); Ctrl-C stops", file=sys.stderr, flush=True)
+        auto = gen.auto_choice
+        how = f", auto: {auto.source}" if auto is not None and auto.tree == tree else ""
+        print(f"poss serve: {name} at {url} (draft: {draft or 'none'}, tree {tree_label(tree)}{how}, speculating "
+              f"{spec}; max batch {args.max_batch}); Ctrl-C stops",
+              file=sys.stderr, flush=True)
 
     app = create_app(engine, name, default_max_tokens=args.default_max_tokens, max_body=args.max_body,
                      model_info=info, on_started=started)
