@@ -1,7 +1,7 @@
 """A first answer in seconds: ``tree="auto"`` and ``speculate_max_batch="auto"`` never time on their own
 (this machine's cached timing, else the draft's tree shipped for the CPU class and dtype, else a
 fallback); timing runs only when asked (``autotune.tune``), within its budget, and not on a busy
-machine."""
+machine; the default thread count follows the free cores."""
 
 import json
 import time
@@ -164,13 +164,49 @@ def test_busy_reason_counts_the_cores_a_timing_needs(monkeypatch):
     assert autotune.busy_reason(8) is None and "busy" in autotune.busy_reason(14)
 
 
-def test_the_stats_line_names_the_tree_auto_chose(gen, tmp_path):
+@pytest.mark.parametrize("cores,others,want", [(2, 0.0, 2), (2, 0.4, 2), (2, 0.6, 1), (2, 1.2, 1), (2, 7.5, 1),
+                                               (16, 3.4, 13), (1, 0.0, 1)])
+def test_default_threads_are_the_free_cores(monkeypatch, cores, others, want):
+    busy(monkeypatch, cores, others)
+    assert hardware.default_threads() == want
+
+
+def test_load_threads_auto_lowers_to_the_free_cores_and_keeps_a_lower_choice(monkeypatch):
+    import torch
+
+    from poss.decode.loader import set_threads
+
+    saved = torch.get_num_threads()
+    try:
+        busy(monkeypatch, 2, 1.2)  # one core free
+        torch.set_num_threads(2)
+        set_threads("auto")
+        assert torch.get_num_threads() == 1
+        busy(monkeypatch, 2, 0.0)
+        set_threads("auto")  # the caller's (here: the step above's) lower count stays
+        assert torch.get_num_threads() == 1
+        set_threads(2)
+        assert torch.get_num_threads() == 2
+        set_threads(None)
+        set_threads(1, device="cuda")  # a GPU run leaves the CPU threads alone
+        assert torch.get_num_threads() == 2
+        for bad in (0, -1, True, 1.5, "many"):
+            with pytest.raises(ValueError, match="threads must be"):
+                set_threads(bad)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_the_stats_line_names_the_tree_auto_chose_and_the_threads(gen, tmp_path):
+    import torch
+
     from poss.decode.cli import _speed_line
 
     gen.draft_dir = None
     res = gen.generate(PROMPTS[:1], 8, tree="auto")
     line = _speed_line(res, gen)
     assert f"tree 2/1 (auto: {shipped_trees.FALLBACK['cpu'].source})" in line
+    assert line.endswith(f"; {torch.get_num_threads()} thread]")  # the autouse fixture: one thread
     fixed = gen.generate(PROMPTS[:1], 8, tree=TreeParams(6, 2))
     assert "; tree 6/2" in _speed_line(fixed, gen) and "auto" not in _speed_line(fixed, gen)
 
@@ -179,13 +215,13 @@ def test_the_tune_command(monkeypatch, capsys):
     from poss.cli import build_parser
     from poss.decode import cli
 
-    args = build_parser().parse_args(["tune", "--budget", "30", "--max-batch", "4"])
+    args = build_parser().parse_args(["tune", "--budget", "30", "--max-batch", "4", "--threads", "1"])
     busy(monkeypatch, 2, 0.0)
     seen = {}
     monkeypatch.setattr("poss.decode.loader.load", lambda *a, **kw: seen.update(kw) or "GEN")
     monkeypatch.setattr(autotune, "tune", lambda g, **kw: seen.update(kw, gen=g) or "tree 4/1 (timed)")
     assert cli.cmd_tune(args) == 0 and "poss tune: tree 4/1 (timed)" in capsys.readouterr().err
-    assert seen["gen"] == "GEN" and seen["budget_s"] == 30 and seen["max_batch"] == 4
+    assert seen["gen"] == "GEN" and seen["budget_s"] == 30 and seen["max_batch"] == 4 and seen["threads"] == 1
 
     def refuse(g, **kw):
         raise autotune.MachineBusy("the machine is busy")

@@ -98,6 +98,6 @@ def test_the_generate_flag_reaches_the_generator(monkeypatch):
     for flag, want in (([], "auto"), (["--speculate-max-batch", "off"], None), (["--speculate-max-batch", "4"], 4)):
         cli._load(build_parser().parse_args(["generate", "--prompt", "hi"] + flag))
         assert seen["speculate_max_batch"] == want
-        assert seen["retune"] is False
-    cli._load(build_parser().parse_args(["chat", "--retune"]))
-    assert seen["retune"] is True
+        assert seen["retune"] is False and seen["threads"] == "auto"
+    cli._load(build_parser().parse_args(["chat", "--retune", "--threads", "1"]))
+    assert seen["retune"] is True and seen["threads"] == 1

@@ -39,8 +39,8 @@ def add_arguments(p: argparse.ArgumentParser, chat: bool) -> None:
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="weights and activations; auto: bfloat16 on CUDA or a CPU with AMX/AVX512-BF16, else float32")
     p.add_argument("--threads", type=int_at_least(1), default=None,
-                   help="torch CPU threads (default: torch's choice); on a busy 2-core machine 1 thread can be "
-                        "several times faster than 2")
+                   help="torch CPU threads (default: the cores other work leaves free, by the load average; more "
+                        "threads than free cores thrash: 2.3 against 33.6 tokens/s on a busy 2-core machine)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the target and draft steps (~30 s to compile; +2-8 %% tokens/s on the dev CPU)")
     p.add_argument("--max-new-tokens", type=int_at_least(0), default=256, help="tokens generated per answer at most")
@@ -99,22 +99,21 @@ def _params(args):
 
 
 def _load(args):
-    import torch
-
     from poss.cli_args import chosen_draft
     from poss.decode.loader import load
     from poss.hardware import resolve_dtype
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     limit = getattr(args, "speculate_max_batch", "auto")  # chat has one conversation: no flag
     return load(args.target, draft=chosen_draft(args, "poss"), dtype=resolve_dtype(args.dtype, "cpu"),
                 compile=args.compile, speculate_max_batch=None if limit == "off" else limit,
-                retune=args.retune, datastore=args.datastore, draft_vocab=args.draft_vocab)
+                retune=args.retune, datastore=args.datastore, draft_vocab=args.draft_vocab,
+                threads=args.threads or "auto")
 
 
 def _speed_line(result, gen=None) -> str:
-    """``[tokens, seconds, tokens/s, tau; the tree (and where auto took it from)]``."""
+    """``[tokens, seconds, tokens/s, tau; the tree (and where auto took it from), threads]``."""
+    import torch
+
     from poss.decode.autotune import tree_label
 
     stats = result.stats
@@ -128,7 +127,8 @@ def _speed_line(result, gen=None) -> str:
         auto = getattr(gen, "auto_choice", None)
         if auto is not None and auto.tree == result.tree:
             line += f" (auto: {auto.source})"
-    return line + "]"
+    threads = torch.get_num_threads()
+    return line + f"; {threads} thread{'s' if threads > 1 else ''}]"
 
 
 def _options(args):
@@ -231,6 +231,8 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                    help="PosS draft folder (config.json + model.safetensors); default: the one shipped for the target")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="weights and activations; auto: bfloat16 on CUDA or a CPU with AMX/AVX512-BF16, else float32")
+    p.add_argument("--threads", type=int_at_least(1), default=None,
+                   help="torch CPU threads to time with (default: the cores other work leaves free)")
     p.add_argument("--datastore", type=datastore_arg, default="auto", help=DATASTORE_HELP)
     p.add_argument("--draft-vocab", choices=DRAFT_VOCABS, default="trained", help=DRAFT_VOCAB_HELP)
     p.add_argument("--budget", type=float_in(1), default=60.0, help="seconds to spend at most, about")
@@ -243,19 +245,17 @@ def cmd_tune(args) -> int:
     from poss.cli_args import chosen_draft
     from poss.decode.autotune import MachineBusy, busy_reason, tune
     from poss.decode.loader import load
-    from poss.hardware import resolve_dtype
+    from poss.hardware import default_threads, resolve_dtype
 
     args.no_draft = False
     check_target(args.target)
     check_draft(args.draft)
-    import torch
-
-    reason = None if args.force else busy_reason(torch.get_num_threads())
+    reason = None if args.force else busy_reason(args.threads or default_threads())
     if reason is not None:  # before loading the model: it would not be timed
         print(f"poss tune: {reason}; not timing; --force times anyway", file=sys.stderr)
         return 1
     gen = load(args.target, draft=chosen_draft(args, "poss tune"), dtype=resolve_dtype(args.dtype, "cpu"),
-               datastore=args.datastore, draft_vocab=args.draft_vocab)
+               datastore=args.datastore, draft_vocab=args.draft_vocab, threads=args.threads or "auto")
     try:
         print(f"poss tune: {tune(gen, budget_s=args.budget, force=args.force, max_batch=args.max_batch)}",
               file=sys.stderr)

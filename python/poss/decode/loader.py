@@ -13,7 +13,8 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
          dtype: Union[str, torch.dtype] = "auto", device="cpu", context_limit: Optional[int] = None,
          tree: Union[TreeParams, str] = "auto", compile: bool = False,
          speculate_max_batch: Union[int, str, None] = "auto", retune: bool = False,
-         datastore: Union[str, Path, None] = "auto", draft_vocab: str = "trained") -> Generator:
+         datastore: Union[str, Path, None] = "auto", draft_vocab: str = "trained",
+         threads: Union[int, str, None] = "auto") -> Generator:
     """Load the target offline and, when ``draft`` is a PosS draft folder, attach it.
 
     With ``draft=None`` the generator decodes autoregressively on the same runner (the baseline);
@@ -28,7 +29,10 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
     ``speculate_max_batch``: the generator's :attr:`~Generator.speculate_max_batch`: calls with more
     live requests decode plainly; ``"auto"`` (the default) is this machine's timing or the shipped
     default likewise, None always speculates. ``retune``: time this machine now (``tune``, about a
-    minute; refused with a warning while other work holds the cores). ``compile``:
+    minute; refused with a warning while other work holds the cores). ``threads``: torch's CPU threads:
+    ``"auto"`` (the default) at most the usable cores other work leaves free
+    (:func:`poss.hardware.default_threads`; a lower count already set stays), an int, or None to leave
+    torch's setting. ``compile``:
     :func:`compile_steps` (off by default: on the development CPU it bought 2-8 % for ~30 s of
     compilation, see docs/benchmarks.md). Raises ``ValueError`` when the draft
     was trained for a different target. ``datastore``: the :class:`~poss.decode.datastore.Datastore`
@@ -44,6 +48,7 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
     from poss.models.registry import load_model, resolve
     from poss.models.target import TargetRunner
 
+    set_threads(threads, device)
     dtype = resolve_dtype(dtype, device)
     path = resolve(target)
     # An fp16 runner converts from fp32 weights, whose fingerprint matches the drafts' (TargetRunner).
@@ -72,6 +77,20 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
         except MachineBusy as e:
             warnings.warn(f"retune: {e}", RuntimeWarning, stacklevel=2)
     return gen
+
+
+def set_threads(threads: Union[int, str, None], device="cpu") -> None:
+    """Set torch's CPU threads as ``poss.load``'s ``threads`` says (on a CPU device only); ``ValueError``
+    for anything but an int >= 1, ``"auto"`` or None."""
+    from poss.hardware import default_threads
+
+    if not (threads is None or threads == "auto"
+            or (isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1)):
+        raise ValueError(f"threads must be an int >= 1, 'auto' or None, got {threads!r}")
+    if threads is None or torch.device(device).type != "cpu":
+        return
+    # "auto" only lowers: a count the caller (or OMP_NUM_THREADS) set lower stays.
+    torch.set_num_threads(min(torch.get_num_threads(), default_threads()) if threads == "auto" else threads)
 
 
 def load_datastore(datastore: Union[str, Path, None], target: Union[str, Path], runner):

@@ -38,7 +38,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--default-max-tokens", type=int_at_least(1), default=512,
                    help="max_tokens when a request gives none")
     p.add_argument("--max-body", type=int_at_least(1), default=1 << 20, help="largest request body in bytes (then 413)")
-    p.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int_at_least(1), default=None,
+                   help="torch CPU threads (default: the cores other work leaves free, by the load average)")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="the models' dtype; auto: bfloat16 on CUDA or a CPU with AMX/AVX512-BF16, else float32")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
@@ -77,9 +78,6 @@ def _check(args) -> None:
 def run_serve(args) -> int:
     _check(args)
     import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
     import uvicorn
 
     from poss.cli_args import chosen_draft
@@ -94,7 +92,7 @@ def run_serve(args) -> int:
     draft = chosen_draft(args, "poss serve")
     try:
         gen = load(args.target, draft=draft, dtype=args.dtype, device=args.device, datastore=args.datastore,
-                   draft_vocab=args.draft_vocab)
+                   draft_vocab=args.draft_vocab, threads=args.threads or "auto")
         flags = tree_from_flags(args.num_nodes, args.depth, args.beam_width, args.lookup)
         if args.retune:  # the tree sizes, then the batch limit of the tree served, within about a minute
             from poss.decode.autotune import MachineBusy, tune
@@ -128,7 +126,7 @@ def run_serve(args) -> int:
         auto = gen.auto_choice
         how = f", auto: {auto.source}" if auto is not None and auto.tree == tree else ""
         print(f"poss serve: {name} at {url} (draft: {draft or 'none'}, tree {tree_label(tree)}{how}, speculating "
-              f"{spec}; max batch {args.max_batch}); Ctrl-C stops",
+              f"{spec}; max batch {args.max_batch}; {torch.get_num_threads()} threads); Ctrl-C stops",
               file=sys.stderr, flush=True)
 
     app = create_app(engine, name, default_max_tokens=args.default_max_tokens, max_body=args.max_body,
