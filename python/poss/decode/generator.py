@@ -81,6 +81,7 @@ class Generator:
             self.context_limit = min(self.context_limit, window)
         self.end_ids = set(end_token_ids(tokenizer, generation_config) if end_ids is None else end_ids)
         self.profile: Optional[Dict[str, List[float]]] = None  # phase -> seconds per round, when set
+        self.state: Optional[BatchState] = None  # the running engine's live batch, for inspection
         # Keep every request's target features (prompt + answer) in the Result: on-policy draft
         # training data from the same run, with no second target pass.
         self.keep_features = False
@@ -135,7 +136,9 @@ class Generator:
         ``tree``: the draft tree, a :class:`TreeParams` or ``"auto"`` (default: :attr:`default_tree`). For
         convenience ``options`` may name their fields directly (``temperature=0.7, top_p=[0.9, 1.0], seed=1,
         depth=4, beam_width=8``);
-        a sampling field takes one value or one per prompt and overrides ``sampling``.
+        a sampling field takes one value or one per prompt and overrides ``sampling``. Each sampled request
+        draws from its own generator seeded by its ``seed``: pass one seed per prompt (``seed=[1, 2]``)
+        for different samples of one prompt; a shared seed samples copies of a prompt alike.
         """
         single, reqs, tree = self._prepare(prompts, max_new_tokens, sampling, tree, options)
         for _ in self._steps(reqs, tree, stop):
@@ -167,7 +170,7 @@ class Generator:
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                               and isinstance(prompts[0], (int, dict)))
         prompts = [prompts] if single else list(prompts)
-        if not prompts:  # before resolve_tree, whose "auto" may time the machine first
+        if not prompts:  # before resolve_tree, which may read the timing cache
             raise ValueError("no prompts given")
         tree = self.resolve_tree(tree, **{k: options.pop(k) for k in ("num_nodes", "depth", "beam_width", "lookup")
                                           if k in options})
