@@ -150,7 +150,7 @@ setup(
         "poss.data": ["eval/*.jsonl", "eval/LICENSE", "eval/README.md",
                       # the lookup datastores (poss.decode.datastore) and their data card
                       "datastores/*.npz", "datastores/README.md"],
-        **{p: ["*/config.json", "*/model.safetensors", "*/README.md"] for p in DRAFT_PACKAGE},
+        **{p: ["*/config.json", "*/model.safetensors", "*/README.md", "*/trees.json"] for p in DRAFT_PACKAGE},
     },
     ext_modules=[EXT],
     cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},

@@ -441,7 +441,7 @@ def tiny():
 
 
 def test_rows_tiny(benchmark, tiny, bench_threads, tmp_path, monkeypatch):
-    from poss.decode.autotune import auto_tree
+    from poss.decode.autotune import calibrate, choose
     from poss.decode.params import TreeParams
     from poss.huge_pages import huge_pages_available
 
@@ -452,7 +452,7 @@ def test_rows_tiny(benchmark, tiny, bench_threads, tmp_path, monkeypatch):
     gen.draft = None
     ar = ours(gen, prompts, 16, "our AR loop")
     gen.draft = draft
-    auto = auto_tree(gen, new_tokens=8, prompts=prompts)
+    auto = choose(calibrate(gen, new_tokens=8, prompts=prompts))
     rows = [ar, benchmark.pedantic(ours, (gen, prompts, 16, "auto", auto), rounds=1, iterations=1),
             ours(gen, prompts, 16, "60/6", TreeParams()), hf(model, prompts, 16, "HF generate"),
             hf(model, prompts, 16, "HF prompt lookup", prompt_lookup_num_tokens=10),

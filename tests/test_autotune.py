@@ -1,4 +1,4 @@
-"""Tree size by measurement (poss.decode.autotune): the selection logic on synthetic costs and
+"""Tree size by measurement (poss.decode.cost_model, poss.decode.autotune): the selection logic on synthetic costs and
 acceptance profiles (deterministic), and a lossless generate with the tree it picks on a tiny model."""
 
 import json
@@ -16,10 +16,11 @@ from helpers.loop import (
     single_thread,  # noqa: F401  (autouse: one CPU thread)
     tiny_target,
 )
-from poss.decode import autotune
-from poss.decode.autotune import (
+from poss import hardware
+from poss.decode import autotune, cost_model
+from poss.decode.autotune import auto_tree
+from poss.decode.cost_model import (
     Calibration,
-    auto_tree,
     choose,
     draft_model,
     draft_ms,
@@ -49,7 +50,7 @@ def test_expected_tokens_model():
 
 FLAT = {1: 30.0, 4: 31.0, 8: 32.0, 16: 34.0, 32: 38.0, 60: 45.0}  # a GPU-like verify: nearly free nodes
 STEEP = {1: 30.0, 4: 45.0, 8: 60.0, 16: 90.0, 32: 150.0, 60: 250.0}  # a small CPU: every node costs
-DRAFT = [(T, d, 2.0 * d) for T, d in autotune.CALIBRATION if d]  # 2 ms a level, whatever its width
+DRAFT = [(T, d, 2.0 * d) for T, d in cost_model.CALIBRATION if d]  # 2 ms a level, whatever its width
 
 
 def test_cheap_verify_and_good_draft_pick_a_big_deep_tree():
@@ -120,10 +121,10 @@ def test_a_timed_tree_is_scored_with_its_measured_tau():
 
 def test_fit_recovers_the_acceptance_parameters():
     acc = [0.3, 0.25, 0.2, 0.2, 0.2, 0.2]
-    pts = [(T, d, expected_tokens(acc, T, d, 10, 1.5, 0.35)) for T, d in autotune.CALIBRATION]
+    pts = [(T, d, expected_tokens(acc, T, d, 10, 1.5, 0.35)) for T, d in cost_model.CALIBRATION]
     s, beta = fit_acceptance(acc, pts)
     assert s == pytest.approx(1.5, abs=0.051) and beta == pytest.approx(0.35, abs=0.051)
-    assert fit_acceptance(acc, [(1, 0, 1.0)]) == (autotune.DEFAULT_S, autotune.DEFAULT_BETA)
+    assert fit_acceptance(acc, [(1, 0, 1.0)]) == (cost_model.DEFAULT_S, cost_model.DEFAULT_BETA)
 
 
 def test_calibration_round_trips_through_json():
@@ -147,16 +148,16 @@ def test_auto_tree_is_measured_cached_and_lossless(target, tmp_path, monkeypatch
     gen.draft.config.training = {"val": {"acc": [0.5, 0.4, 0.3]}}
     prompts = PROMPTS[:2]
     c = autotune.calibrate(gen, new_tokens=12, prompts=prompts)
-    assert set(c.verify_ms) == set(autotune.SIZES) and {d for _, d, _ in c.draft_ms} == set(autotune.DEPTHS)
-    timed = [(T, d) for T, d in autotune.CALIBRATION if d]
+    assert set(c.verify_ms) == set(cost_model.SIZES) and {d for _, d, _ in c.draft_ms} == set(cost_model.DEPTHS)
+    timed = [(T, d) for T, d in cost_model.CALIBRATION if d]
     assert all(v > 0 for v in c.verify_ms.values()) and [(T, d) for T, d, _ in c.measured_tau] == timed
     assert c.acc == [0.5, 0.4, 0.3] and c.key["threads"] == 1 and c.key["dtype"] == "float32"
     files = list((tmp_path / "autotune").glob("*.json"))
     assert len(files) == 1
     # the second call reads the cache (no timing: generate must not run)
     monkeypatch.setattr(autotune, "measure", lambda *a, **k: pytest.fail("measured twice"))
-    tree = auto_tree(gen, prompts=prompts)
-    assert tree == choose(c)
+    tree, source = auto_tree(gen)
+    assert tree == choose(c) and source == "timed on this machine"
     for p in PROMPTS:
         assert gen.generate([p], NEW, tree=tree).token_ids[0] == hf_greedy(target, p, NEW)
 
@@ -182,9 +183,9 @@ def test_refine_pools_the_best_trees_tau_over_more_prompts(monkeypatch):
     assert (4, 2) in top
     asked = []
 
-    def fake_time(gen, prompts, new_tokens, configs):
+    def fake_time(gen, prompts, new_tokens, configs, deadline=None):
         asked.append((len(prompts), list(configs)))
-        return {}, {}, {k: ([380, 190, 570] if k == (4, 2) else [300, 200, 600]) for k in configs}
+        return {}, {}, {k: ([380, 190, 570] if k == (4, 2) else [300, 200, 600]) for k in configs}, len(prompts)
 
     monkeypatch.setattr(autotune, "time_configs", fake_time)
     r = autotune.refine(DraftedGen(), c, ["p"] * 6, 64, rows=0)
@@ -201,18 +202,18 @@ def refined_with_chains(monkeypatch, gain: float, rows_per_round: float):
     c = close_small_trees()
     asked = []
 
-    def fake_time(gen, prompts, new_tokens, configs):
+    def fake_time(gen, prompts, new_tokens, configs, deadline=None):
         asked.append(list(configs))
         return {}, {}, {k: ([int(300 * gain), 200, int(200 * (rows_per_round - 1))] if len(k) == 3
-                            else [300, 200, 200 * (k[0] - 1)]) for k in configs}
+                            else [300, 200, 200 * (k[0] - 1)]) for k in configs}, len(prompts)
 
     monkeypatch.setattr(autotune, "time_configs", fake_time)
     return autotune.refine(DraftedGen(), c, ["p"] * 4, 64, rows=8), asked[0]
 
 
 def test_chains_fill_trees_to_the_row_budget():
-    assert [autotune.chain_tokens(T, 8) for T in (2, 3, 4, 6, 8, 16)] == [6, 5, 4, 2, 2, 2]
-    assert autotune.chain_tokens(4, 6) == 2
+    assert [cost_model.chain_tokens(T, 8) for T in (2, 3, 4, 6, 8, 16)] == [6, 5, 4, 2, 2, 2]
+    assert cost_model.chain_tokens(4, 6) == 2
 
 
 def test_refine_times_the_best_trees_and_the_small_depth_1_trees_with_a_chain(monkeypatch):
@@ -257,7 +258,7 @@ def test_refinement_times_only_the_contenders_again(target, tmp_path, monkeypatc
     rows = autotune.lookup_rows(gen)
     assert {(T, d) for T, d, K, _, _ in c.lookup} <= set(again) and (2, 1, rows - 2) in [x[:3] for x in c.lookup]
     # a drafted round verifies the tree and its chain's K rows, spare draft tokens filling what the chain left
-    assert all(ratio > 0 and K == autotune.chain_tokens(T, rows) and per_round == T + K
+    assert all(ratio > 0 and K == cost_model.chain_tokens(T, rows) and per_round == T + K
                for T, d, K, ratio, per_round in c.lookup)
     assert c.key["n_prompts"] == 1 and c.key["n_more_prompts"] == 2
     assert {(T, d): n / r for T, d, n, r in c.rounds} == {(T, d): tau for T, d, tau in c.measured_tau}
@@ -265,7 +266,7 @@ def test_refinement_times_only_the_contenders_again(target, tmp_path, monkeypatc
 
 def test_auto_tree_without_draft_is_plain_decoding(target):
     gen = make_generator(target, draft=False)
-    assert auto_tree(gen) == TreeParams(num_nodes=1, depth=0)
+    assert auto_tree(gen) == (TreeParams(num_nodes=1, depth=0), "no draft")
 
 
 def test_cache_key_names_machine_dtype_and_models(target):
@@ -303,9 +304,9 @@ def test_auto_default_tree_is_resolved_once_and_overridable(target, monkeypatch)
     picked = TreeParams(num_nodes=8, depth=3, beam_width=4)
     calls = []
 
-    def fake_auto(g, beam_width=10, **kw):
+    def fake_auto(g, beam_width=10):
         calls.append(beam_width)
-        return TreeParams(picked.num_nodes, picked.depth, beam_width)
+        return autotune.AutoTree(TreeParams(picked.num_nodes, picked.depth, beam_width), "fake")
 
     monkeypatch.setattr(autotune, "auto_tree", fake_auto)
     assert gen.resolve_tree() == TreeParams()  # a bare Generator keeps the fixed default
@@ -364,10 +365,10 @@ def test_a_busy_machine_warns_and_the_load_is_recorded(target, tmp_path, monkeyp
     monkeypatch.setenv("POSS_CACHE", str(tmp_path))
     gen = make_generator(target, draft=True, n=3, ppl=2, aligned=True)
     monkeypatch.setattr(autotune, "measure", _fake_measure([]))
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(hardware, "usable_cores", lambda: 2)
     monkeypatch.setattr(os, "getloadavg", lambda: (3.5, 2.0, 1.0))
-    monkeypatch.setattr(autotune, "own_load", lambda: 0.0)
-    with pytest.warns(RuntimeWarning, match=r"busy \(load average 3.5 on 2 cores\).*--retune"):
+    monkeypatch.setattr(hardware, "own_load", lambda: 0.0)
+    with pytest.warns(RuntimeWarning, match=r"busy \(load average 3.5 on 2 cores\).*poss tune"):
         c = autotune.calibrate(gen, prompts=PROMPTS[:1])
     assert c.key["loadavg"] == 3.5
     assert json.loads(autotune.cache_path(autotune.cache_key(gen)).read_text())["key"]["loadavg"] == 3.5
@@ -377,14 +378,14 @@ def test_a_busy_machine_warns_and_the_load_is_recorded(target, tmp_path, monkeyp
         assert autotune.calibrate(gen, prompts=PROMPTS[:1], refresh=True).key["loadavg"] == 1.9
         # the load of this process's own threads (a benchmark's earlier rows) is not someone else's
         monkeypatch.setattr(os, "getloadavg", lambda: (2.4, 2.0, 1.0))
-        monkeypatch.setattr(autotune, "own_load", lambda: 1.9)
+        monkeypatch.setattr(hardware, "own_load", lambda: 1.9)
         assert autotune.calibrate(gen, prompts=PROMPTS[:1], refresh=True).key["loadavg"] == 2.4
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
 def test_own_load_is_this_process_cpu_time_over_at_least_a_minute():
     # A fresh process (younger than a minute): its share is its CPU seconds / 60, whatever else it did.
-    code = ("import resource, time\nfrom poss.decode.autotune import own_load\n"
+    code = ("import resource, time\nfrom poss.hardware import own_load\n"
             "t = time.process_time()\nwhile time.process_time() - t < 0.5: pass\n"
             "got = own_load()\nu = resource.getrusage(resource.RUSAGE_SELF)\n"
             "print(got, (u.ru_utime + u.ru_stime) / 60)")

@@ -275,7 +275,7 @@ def lines(*items):
 def run_chat(gen, read, capsys):
     from poss.cli.chat import chat_loop
 
-    rc = chat_loop(gen, {}, read=read, speed=lambda stats: "[speed]")
+    rc = chat_loop(gen, {}, read=read, speed=lambda *a: "[speed]")
     return rc, capsys.readouterr()
 
 
@@ -375,34 +375,34 @@ def test_serve_bad_inputs(bad, flag, capsys):
 
 
 @pytest.mark.parametrize("bad,flag", [
-    (["--threads", "0"], "--threads"), (["--target", "nope"], "--target"), (["--beam-width", "0"], "--beam-width"),
-    (["--draft", "x", "--no-draft"], "--no-draft"),
+    (["--threads", "0"], "--threads"), (["--target", "nope"], "--target"), (["--budget", "0"], "--budget"),
+    (["--draft", "x", "--no-draft"], "--no-draft"), (["--max-batch", "0"], "--max-batch"),
 ])
 def test_tune_bad_inputs(bad, flag, capsys):
     fails(["tune"] + bad, flag, capsys)
 
 
-def test_tune_times_again_and_prints_what_auto_chose(monkeypatch, capsys):
-    """poss tune forgets the cached timings (retune) and reports the tree and batch limit it measured."""
-    from poss.decode.params import TreeParams
-
+def test_tune_times_within_its_budget(monkeypatch, capsys):
+    """poss tune loads the pair and times it with the budget and batch limit asked for."""
     seen = {}
+    monkeypatch.setattr("poss.decode.autotune.busy_reason", lambda threads: None)
+    monkeypatch.setattr("poss.decode.loader.load", lambda target, **kw: seen.update(kw) or "GEN")
+    monkeypatch.setattr("poss.decode.autotune.tune",
+                        lambda gen, **kw: seen.update(gen=gen, **kw) or "tree 4/2+3 (timed)")
+    assert main(["tune", "--no-draft", "--budget", "30", "--max-batch", "4"]) == 0
+    assert seen["gen"] == "GEN" and seen["budget_s"] == 30.0 and seen["max_batch"] == 4 and seen["draft"] is None
+    assert "tree 4/2+3 (timed)" in capsys.readouterr().err
 
-    class Timed:
-        def auto_tree(self, beam_width):
-            seen["beam_width"] = beam_width
-            return TreeParams(num_nodes=24, depth=4, beam_width=beam_width)
 
-        def speculation_limit(self, tree):
-            seen["tree"] = tree
-            return 2
+def test_tune_refuses_a_busy_machine_before_loading(monkeypatch, capsys):
+    monkeypatch.setattr("poss.decode.autotune.busy_reason", lambda threads: "2 other processes hold the cores")
 
-    monkeypatch.setattr("poss.decode.loader.load", lambda target, **kw: seen.update(kw) or Timed())
-    assert main(["tune", "--no-draft", "--beam-width", "6"]) == 0
-    assert seen["retune"] is True and seen["speculate_max_batch"] == "auto" and seen["draft"] is None
-    assert seen["tree"] == TreeParams(num_nodes=24, depth=4, beam_width=6)
-    assert json.loads(capsys.readouterr().out) == {"num_nodes": 24, "depth": 4, "beam_width": 6, "lookup": 0,
-                                                   "speculate_max_batch": 2}
+    def no_load(*a, **k):
+        raise AssertionError("loaded the model on a busy machine")
+
+    monkeypatch.setattr("poss.decode.loader.load", no_load)
+    assert main(["tune", "--no-draft"]) == 1
+    assert "hold the cores" in capsys.readouterr().err
 
 
 def test_unknown_option_is_one_line(capsys):

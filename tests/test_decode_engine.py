@@ -100,6 +100,78 @@ def test_a_seeded_sampled_request_is_the_same_alone_and_among_others(model):
     assert again["me"][0] != alone["me"][0]  # the seed matters
 
 
+class IdTokenizer:
+    """Decodes token id i to ``<i>``: a served text spells its tokens, so it can be compared token by token."""
+
+    eos_token_id = eos_token = chat_template = None
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def __len__(self):
+        return self.vocab
+
+    def get_vocab(self):
+        return {}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"<{i}>" for i in ids)
+
+
+def served_tokens(gen, requests):
+    """``{request id: token ids}`` of ``requests`` (:class:`GenRequest`) served together by ``poss serve``'s
+    engine (its worker thread on the continuous-batching backend)."""
+    import asyncio
+    import re
+
+    pytest.importorskip("prometheus_client")
+    from poss.serve.backend import ContinuousBackend
+    from poss.serve.engine import Engine
+
+    async def serve():
+        engine = Engine(ContinuousBackend(gen, max_batch=len(requests), tree=TREE))
+        engine.start()
+        try:
+            handles = [engine.submit(r) for r in requests]
+            out = {}
+            for h in handles:
+                events = [ev async for ev in h.events()]
+                assert events[-1].finish_reason in ("stop", "length"), events[-1].error
+                out[h.request.id] = "".join(ev.text for ev in events)
+            return out
+        finally:
+            engine.stop()
+
+    return {rid: [int(t) for t in re.findall(r"<(\d+)>", text)] for rid, text in asyncio.run(serve()).items()}
+
+
+def test_a_seeded_request_samples_the_same_through_generate_and_serve_alone_and_in_a_batch(model):
+    from poss.decode.generator import Generator
+    from poss.serve.backend import GenRequest
+
+    base = make_generator(model, draft=True, n=3, ppl=1, aligned=True)
+    gen = Generator(base.runner, tokenizer=IdTokenizer(base.runner.embed.shape[0]), draft=base.draft,
+                    end_ids=base.end_ids)
+    prompts = eval_prompts(1)
+    n = 30
+    mine = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+    others = [SamplingParams(temperature=1.0, seed=5), SamplingParams(), SamplingParams(temperature=0.7)]
+    alone = gen.generate([prompts[0]], n, mine, tree=TREE).token_ids[0]
+    batch = gen.generate([prompts[1], prompts[0], prompts[2], prompts[3]], n, [others[0], mine] + others[1:],
+                         tree=TREE).token_ids[1]
+
+    def request(rid, prompt, sp):
+        return GenRequest(rid, list(prompt), n, temperature=sp.temperature, top_p=sp.top_p, seed=sp.seed)
+
+    served_alone = served_tokens(gen, [request("me", prompts[0], mine)])["me"]
+    served_batch = served_tokens(gen, [request("a", prompts[1], others[0]), request("me", prompts[0], mine),
+                                       request("b", prompts[2], others[1]), request("c", prompts[3], others[2])])["me"]
+    assert len(alone) > 1
+    assert batch == alone and served_alone == alone and served_batch == alone
+    other_seed = gen.generate([prompts[0]], n, SamplingParams(temperature=0.9, top_p=0.95, seed=12), tree=TREE)
+    assert other_seed.token_ids[0] != alone  # the seed matters
+
+
 def test_cancel_mid_way_then_a_new_request_is_served_with_no_ghost_rows(gen):
     prompts = eval_prompts(1)
     engine = DecodeEngine(gen, TREE, max_batch=2)
@@ -219,18 +291,22 @@ def test_batch_limit_is_the_last_size_where_the_tree_still_wins():
     assert batch_limit({2: (10.0, 12.0), 4: (20.0, 21.0)}) is None
 
 
-def test_measure_batches_times_both_round_kinds_at_each_size(model):
-    from poss.decode.autotune import measure_batches
+def test_measure_batches_times_both_round_kinds_at_each_size(model, monkeypatch):
+    from poss.decode import autotune
 
     gen = make_generator(model, draft=True, n=3, ppl=1, aligned=True)
     seen = []
-    generate = gen.generate
-    gen.generate = lambda prompts, *a, **k: seen.append([list(p) for p in prompts]) or generate(prompts, *a, **k)
+    run_greedy = autotune.run_greedy
+
+    def recording(g, prompts, *a, **k):
+        seen.append([list(p) for p in prompts])
+        return run_greedy(g, prompts, *a, **k)
+
+    monkeypatch.setattr(autotune, "run_greedy", recording)
     prompts = eval_prompts(1)[:2]  # token ids
-    got = measure_batches(gen, TREE, prompts, batches=(2, 3), new_tokens=6)
+    got = autotune.measure_batches(gen, TREE, prompts, batches=(2, 3), new_tokens=6)
     assert sorted(got) == [2, 3] and all(ar > 0 and spec > 0 for ar, spec in got.values())
-    del gen.generate
-    assert gen.profile is None and gen.end_ids == make_generator(model).end_ids  # left as it was
+    assert gen.profile is None and gen.end_ids == make_generator(model).end_ids  # the generator untouched
     # distinct requests (copies of one prompt would accept alike), reused in turn past the list's end
     firsts = [list(p) for p in prompts]
     assert seen[0] == firsts and seen[-1] == [firsts[0], firsts[1], firsts[0]]

@@ -9,10 +9,11 @@ from helpers.loop import (
     single_thread,  # noqa: F401  (autouse: one CPU thread)
     tiny_target,
 )
+from poss.decode.engine import DecodeEngine
 from poss.decode.params import TreeParams
 
 TREE = TreeParams(num_nodes=10, depth=3, beam_width=3)
-# Per-request budgets, so one request ends first; the call sizes its caches from request 0's budget.
+# Per-request budgets, so one request ends first.
 BUDGETS = [60, 40, 8]
 
 
@@ -28,16 +29,17 @@ def prompts():
 
 
 def run_with_limit(gen, limit, prompts):
-    """One call in which request i may generate ``BUDGETS[i]`` tokens."""
-    from poss.decode.batch import Request
-    from poss.decode.params import SamplingParams
-
+    """One batch in which request i may generate ``BUDGETS[i]`` tokens, under the generator's
+    ``speculate_max_batch = limit``: ``[(tokens, stats)]`` in prompt order."""
     gen.speculate_max_batch = limit
     try:
-        reqs = [Request(i, list(p), n, SamplingParams()) for i, (p, n) in enumerate(zip(prompts, BUDGETS))]
-        for _ in gen._run(reqs, TREE, ()):
-            pass
-        return gen._result(reqs)
+        engine = DecodeEngine(gen, TREE, speculate_max_batch=gen.speculation_limit(TREE))
+        ids = [engine.add(p, n) for p, n in zip(prompts, BUDGETS)]
+        out = {i: ([], None) for i in ids}
+        while engine.has_work():
+            for ev in engine.step():
+                out[ev.id] = (out[ev.id][0] + ev.tokens, ev.stats)
+        return [out[i] for i in ids]
     finally:
         gen.speculate_max_batch = None
 
@@ -45,24 +47,25 @@ def run_with_limit(gen, limit, prompts):
 def test_plain_rounds_above_the_limit_then_speculation_and_the_same_tokens(gen):
     want = [gen.generate([p], n, tree=TREE).token_ids[0] for p, n in zip(prompts(), BUDGETS)]
     res = run_with_limit(gen, 2, prompts())
-    assert res.token_ids == want
-    short = res.stats[2].accept_hist
+    assert [tokens for tokens, _ in res] == want
+    stats = [s for _, s in res]
+    short = stats[2].accept_hist
     assert sum(short) == BUDGETS[2] - 1 and sum(short[1:]) == 0  # only plain rounds while 3 were live
-    assert all(s.accept_hist[0] >= BUDGETS[2] - 1 for s in res.stats[:2])
-    assert any(sum(s.accept_hist[1:]) for s in res.stats[:2])  # then speculation resumed
+    assert all(s.accept_hist[0] >= BUDGETS[2] - 1 for s in stats[:2])
+    assert any(sum(s.accept_hist[1:]) for s in stats[:2])  # then speculation resumed
 
 
 def test_without_a_limit_the_short_request_accepts_draft_tokens(gen):
     """So the first test's "only plain rounds" could fail."""
     res = run_with_limit(gen, None, prompts())
-    assert sum(res.stats[2].accept_hist[1:]) > 0
+    assert sum(res[2][1].accept_hist[1:]) > 0
 
 
 def test_auto_is_measured_once_per_tree(gen, monkeypatch):
     import poss.decode.autotune as autotune
 
     calls = []
-    monkeypatch.setattr(autotune, "speculation_limit", lambda g, tree: calls.append(tree) or 1)
+    monkeypatch.setattr(autotune, "speculation_limit", lambda g, tree, max_batch: calls.append(tree) or 1)
     gen.speculate_max_batch, gen._limits = "auto", {}
     try:
         p = eval_prompts(1)[:2]
@@ -95,6 +98,6 @@ def test_the_generate_flag_reaches_the_generator(monkeypatch):
     for flag, want in (([], "auto"), (["--speculate-max-batch", "off"], None), (["--speculate-max-batch", "4"], 4)):
         cli.load(build_parser().parse_args(["generate", "--prompt", "hi"] + flag))
         assert seen["speculate_max_batch"] == want
-        assert seen["retune"] is False
-    cli.load(build_parser().parse_args(["chat", "--retune"]))
-    assert seen["retune"] is True
+        assert seen["retune"] is False and seen["threads"] == "auto"
+    cli.load(build_parser().parse_args(["chat", "--retune", "--threads", "1"]))
+    assert seen["retune"] is True and seen["threads"] == 1

@@ -17,7 +17,8 @@ from helpers.loop import (
     tiny_target,
 )
 from poss.decode.draft_tree import draft_tree
-from poss.decode.params import SamplingParams, TreeParams
+from poss.decode.engine import DecodeEngine
+from poss.decode.params import TreeParams
 from poss.models.kv_cache import StaticKVCache
 from poss.models.target import chain_parents
 
@@ -25,7 +26,8 @@ from poss.models.target import chain_parents
 def eager_chain(draft, j, tokens, feats):
     """Specialist j over pairs (tokens[t], feats[t]) at positions t from scratch; last output ``[H]``."""
     saved, T, cfg = draft.caches, tokens.shape[0], draft.config
-    draft.caches = StaticKVCache(cfg.n_specialists, 1, cfg.kv_heads, T + 1, cfg.head_dim, saved.k.dtype, saved.k.device)
+    draft.caches = StaticKVCache.zeros(cfg.n_specialists, 1, cfg.kv_heads, T + 1, cfg.head_dim, saved.k.dtype,
+                                       saved.k.device)
     try:
         with torch.no_grad():
             out = draft.step(j, tokens.view(1, T), feats.view(1, T, -1), torch.arange(T).view(1, T),
@@ -73,11 +75,11 @@ def test_draft_tree_matches_a_from_scratch_drafter(n, ppl, depth, K, nodes):
     # the last two: a beam wider than the tree (the loop drafts num_nodes - 1 wide, the reference K)
     gen = make_generator(tiny_target(seed=8), draft=True, n=n, ppl=ppl, aligned=True)
     gen.end_ids = set()
-    reqs = gen._requests(eval_prompts(1)[2:3], 40, [SamplingParams()])
-    run = gen._run(reqs, TreeParams(nodes, depth, K), stop=())
-    for _ in range(4):  # prefill + 3 rounds: the next round catches up on several verified pairs
-        next(run)
-    seq = gen.state
+    engine = DecodeEngine(gen, TreeParams(nodes, depth, K))
+    engine.add(eval_prompts(1)[2], 40)
+    for _ in range(3):  # the prefill and 3 rounds: the next round catches up on several verified pairs
+        engine.step()
+    seq = engine.batch
     L = seq.length[0]
     ids, feats = seq.ids[0].clone(), seq.feats[0].clone()
     tree = draft_tree(gen.draft, seq, depth, K, nodes, spare=3)

@@ -12,8 +12,9 @@ from helpers.loop import (
     single_thread,  # noqa: F401  (autouse: one CPU thread)
     tiny_target,
 )
+from poss.decode.engine import DecodeEngine
 from poss.decode.generator import Generator
-from poss.decode.params import SamplingParams, TreeParams
+from poss.decode.params import TreeParams
 
 PROMPTS = eval_prompts(1, max_len=24)
 
@@ -93,15 +94,16 @@ def test_finished_requests_leave_the_batch(model):
     """Rounds of a request that stopped early are not run: its row is dropped from the batch."""
     g = make_generator(model, draft=True, n=3, ppl=2, aligned=True)
     g.end_ids = set()
-    reqs = g._requests(PROMPTS[:3], 40, [SamplingParams()] * 3)
-    reqs[1].max_new_tokens = 2
-    batches = []
-    run = g._run(reqs, TreeParams(30, 6, 5), stop=())
-    next(run)
-    for _ in run:
-        batches.append(g.state.size)
-    assert batches[0] == 3 and 2 in batches and batches[-1] >= 1
-    assert len(reqs[1].generated) == 2
+    engine = DecodeEngine(g, TreeParams(30, 6, 5))
+    ids = [engine.add(p, 2 if i == 1 else 40) for i, p in enumerate(PROMPTS[:3])]
+    sizes, finals = [], {}
+    while engine.has_work():
+        finals.update({ev.id: ev for ev in engine.step() if ev.finished})
+        sizes.append(engine.active)
+    assert sizes[0] == 2 and sizes[-1] == 0  # the 2-token request left after its first round
+    short = finals[ids[1]].stats
+    assert short.tokens == 2 and short.rounds == 1
+    assert all(finals[i].stats.tokens == 40 and finals[i].stats.rounds > 1 for i in (ids[0], ids[2]))
 
 
 @pytest.fixture(scope="module")

@@ -57,8 +57,10 @@ def sample(gen, calls, batch=64, **kw):
     gen.end_ids = set()
     counts = torch.zeros(V, V, V)
     accepted = 0
-    for seed in range(calls):
-        res = gen.generate([PROMPT] * batch, 3, temperature=T, top_p=TOP_P, seed=seed, **kw)
+    for call in range(calls):
+        # One seed per request: requests that share a prompt and a seed sample alike.
+        seeds = [call * batch + i for i in range(batch)]
+        res = gen.generate([PROMPT] * batch, 3, temperature=T, top_p=TOP_P, seed=seeds, **kw)
         for ids, s in zip(res.token_ids, res.stats):
             counts[tuple(ids)] += 1
             accepted += sum(k * c for k, c in enumerate(s.accept_hist))
@@ -95,8 +97,9 @@ def test_chi_square_detects_a_wrong_distribution(model):
     gen = make_generator(model, draft=True, n=3, ppl=1, aligned=True)
     gen.end_ids = set()
     counts = torch.zeros(V, V, V)
-    for seed in range(40):
-        for ids in gen.generate([PROMPT] * 64, 3, temperature=1.0, top_p=TOP_P, seed=seed, depth=3,
+    for call in range(40):
+        seeds = list(range(call * 64, call * 64 + 64))
+        for ids in gen.generate([PROMPT] * 64, 3, temperature=1.0, top_p=TOP_P, seed=seeds, depth=3,
                                 num_nodes=12, beam_width=4).token_ids:
             counts[tuple(ids)] += 1
     assert chi2_pvalue(counts, probs) < 1e-3

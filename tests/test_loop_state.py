@@ -10,7 +10,8 @@ from helpers.loop import (
     single_thread,  # noqa: F401  (autouse: one CPU thread)
     tiny_target,
 )
-from poss.decode.params import SamplingParams, TreeParams
+from poss.decode.engine import DecodeEngine
+from poss.decode.params import TreeParams
 from poss.models.kv_cache import StaticKVCache
 from poss.models.target import chain_parents
 
@@ -20,7 +21,8 @@ def recompute_specialist(draft, j, tokens, feats):
     saved = draft.caches
     T = tokens.shape[0]
     cfg = draft.config
-    draft.caches = StaticKVCache(cfg.n_specialists, 1, cfg.kv_heads, T + 4, cfg.head_dim, saved.k.dtype, saved.k.device)
+    draft.caches = StaticKVCache.zeros(cfg.n_specialists, 1, cfg.kv_heads, T + 4, cfg.head_dim, saved.k.dtype,
+                                       saved.k.device)
     try:
         draft.step(j, tokens.view(1, T), feats.view(1, T, -1), torch.arange(T).view(1, T),
                    chain_parents([T], T), torch.zeros(1, dtype=torch.int32))
@@ -34,12 +36,15 @@ def test_draft_caches_match_recomputation_after_several_rounds(n, ppl):
     model = tiny_target(seed=5)
     gen = make_generator(model, draft=True, n=n, ppl=ppl, aligned=True)
     gen.end_ids = set()
-    reqs = gen._requests(eval_prompts(1)[:4], 60, [SamplingParams()] * 4)
-    run = gen._run(reqs, TreeParams(30, 6, 5), stop=())
-    for _ in range(7):  # prefill + 6 rounds
-        next(run)
-    seq, draft = gen.state, gen.draft
-    assert min(seq.draft_len) > min(len(r.prompt) for r in reqs)  # rounds really committed tokens
+    prompts = eval_prompts(1)[:4]
+    engine = DecodeEngine(gen, TreeParams(30, 6, 5))
+    for p in prompts:
+        engine.add(p, 60)
+    for _ in range(6):  # the prefill and 6 rounds
+        engine.step()
+    seq, draft = engine.batch, gen.draft
+    assert seq.size == len(prompts)
+    assert min(seq.draft_len) > min(len(p) for p in prompts)  # rounds really committed tokens
     for b in range(seq.size):
         d, L = seq.draft_len[b], seq.length[b]
         ids = seq.ids[b, : L + 1]

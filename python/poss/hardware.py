@@ -9,10 +9,12 @@ fp32's bytes: on a 2-core AVX2 EPYC our AR loop ran 1.6x faster in bf16 than in 
 """
 
 import functools
+import math
+import os
 import platform
 import time
 from pathlib import Path
-from typing import Dict, FrozenSet, Union
+from typing import Dict, FrozenSet, Optional, Union
 
 import torch
 
@@ -41,6 +43,66 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cpu_class(flags: FrozenSet[str] = None) -> str:
+    """The CPU's class for costs measured in advance: ``avx512-bf16`` (AVX512-BF16 or AMX), ``avx512``,
+    ``avx2`` (with FMA) or ``other``."""
+    flags = cpu_flags() if flags is None else flags
+    if cpu_has_fast_bf16(flags):
+        return "avx512-bf16"
+    if "avx512f" in flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma"} <= flags else "other"
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity; all of them where the OS does not say)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def load_average() -> Optional[float]:
+    """The 1-minute load average (None where the OS has none)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def own_load() -> float:
+    """About how much of the 1-minute load average is this process's own threads: its CPU seconds over
+    its age, the age counted as at least a minute (the average's time constant). 0 where the OS does
+    not say (no /proc)."""
+    try:
+        import resource
+
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        age = uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (ImportError, OSError, ValueError, IndexError):
+        return 0.0
+    return (usage.ru_utime + usage.ru_stime) / max(age, 60.0)
+
+
+def others_load() -> float:
+    """The load average less this process's own share (0 where the OS has no load average)."""
+    load = load_average()
+    return 0.0 if load is None else max(0.0, load - own_load())
+
+
+def default_threads() -> int:
+    """The CPU threads to decode with: the usable cores that other work leaves free, at least 1.
+
+    More threads than free cores thrash: on a 2-core machine with another job on one core, SmolLM2
+    with its draft ran 2.3 tokens/s on 2 threads and 33.6 on 1 (bf16, AVX2)."""
+    cores = usable_cores()
+    return max(1, min(cores, math.floor(cores - others_load() + 0.5)))
 
 
 def cpu_has_fast_bf16(flags: FrozenSet[str] = None) -> bool:

@@ -206,8 +206,8 @@ DRAFT_VOCAB_HELP = ("the rows of the target's lm_head a reduced-vocabulary draft
                     "6x larger; worth it where the head is cheap beside a verify, as on a GPU)")
 
 
-RETUNE_HELP = ("time this machine again instead of using the cached timings (after a first run on a busy "
-               "machine)")
+RETUNE_HELP = ("time tree sizes on this machine now (about a minute, as `poss tune`; refused while other work "
+               "holds the cores) and use the result")
 
 
 def target_help() -> str:
@@ -298,8 +298,8 @@ def add_dtype(p, meaning: str = "run", extra_help: str = "") -> None:
 
 def add_threads(p) -> None:
     p.add_argument("--threads", type=int_at_least(1), default=None,
-                   help="torch CPU threads (default: torch's choice); on a busy 2-core machine 1 thread can be "
-                        "several times faster than 2")
+                   help="torch CPU threads (default: the cores other work leaves free, by the load average; more "
+                        "threads than free cores thrash: 2.3 against 33.6 tokens/s on a busy 2-core machine)")
 
 
 def add_device(p, default: Optional[str], extra_help: str = "") -> None:

@@ -59,7 +59,7 @@ def chat_loop(gen, opts, read=None, out=None, err=None, speed=None) -> int:
             continue
         print(file=out)
         messages.append({"role": "assistant", "content": gen.last_result.texts[0]})
-        print(speed(gen.last_result.stats), file=err)
+        print(speed(gen.last_result, gen), file=err)
 
 
 def run(args) -> int:

@@ -17,7 +17,6 @@ from poss.cli.args import (
     check_model,
     int_at_least,
     nonempty_text,
-    set_threads,
     tree_from_args,
 )
 
@@ -87,19 +86,32 @@ def load(args):
     from poss.decode.loader import load as load_generator
     from poss.hardware import resolve_dtype
 
-    set_threads(args)
     limit = getattr(args, "speculate_max_batch", "auto")  # chat has one conversation: no flag
     return load_generator(args.target, draft=chosen_draft(args, "poss"), dtype=resolve_dtype(args.dtype, "cpu"),
                           compile=args.compile, speculate_max_batch=None if limit == "off" else limit,
-                          retune=args.retune, datastore=args.datastore, draft_vocab=args.draft_vocab)
+                          retune=args.retune, datastore=args.datastore, draft_vocab=args.draft_vocab,
+                          threads=args.threads or "auto")
 
 
-def speed_line(stats) -> str:
+def speed_line(result, gen=None) -> str:
+    """``[tokens, seconds, tokens/s, tau; the tree (and where auto took it from); threads]``."""
+    import torch
+
+    from poss.decode.autotune import tree_label
+
+    stats = result.stats
     tokens = sum(s.tokens for s in stats)
     seconds = max(s.seconds for s in stats) or 1e-9
     rounds = sum(s.rounds for s in stats)
     tau = sum(s.tau * s.rounds for s in stats) / rounds if rounds else 0.0
-    return f"[{tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tokens/s, tau {tau:.2f}]"
+    line = f"[{tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tokens/s, tau {tau:.2f}"
+    if getattr(result, "tree", None) is not None:
+        line += f"; tree {tree_label(result.tree)}"
+        auto = getattr(gen, "auto_choice", None)
+        if auto is not None and auto.tree == result.tree:
+            line += f" (auto: {auto.source})"
+    threads = torch.get_num_threads()
+    return line + f"; {threads} thread{'s' if threads > 1 else ''}]"
 
 
 def check_context(gen, prompts, flag: str) -> None:
@@ -145,10 +157,10 @@ def run(args) -> int:
         for piece in gen.stream(args.prompt[0], **opts):
             print(piece, end="", flush=True)
         print()
-        print(speed_line(gen.last_result.stats), file=sys.stderr)
+        print(speed_line(gen.last_result, gen), file=sys.stderr)
         return 0
     res = gen.generate(args.prompt, **opts)
     for i, text in enumerate(res.texts):
         print(f"--- prompt {i}\n{text}")
-    print(speed_line(res.stats), file=sys.stderr)
+    print(speed_line(res, gen), file=sys.stderr)
     return 0

@@ -37,7 +37,7 @@ def add_parser(sub):
     add_dtype(p, "run")
     add_device(p, "cpu")
     add_speculate_max_batch(p, "requests")
-    add_tree(p)  # auto sizes are timed once, at batch 1
+    add_tree(p)  # auto: this machine's `poss tune` timing, else the draft's shipped tree
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level")
     return p
@@ -51,9 +51,11 @@ def model_name(target: str) -> str:
 def run(args) -> int:
     check_model(args)  # the numeric flags are checked by their types
     set_threads(args)
+    import torch
     import uvicorn
 
     from poss.cli.args import chosen_draft
+    from poss.decode.autotune import tree_label
     from poss.decode.loader import load
     from poss.serve.app import create_app
     from poss.serve.backend import ContinuousBackend
@@ -63,8 +65,16 @@ def run(args) -> int:
     tree = tree_from_args(args)  # a tree over the kernel's limits is refused before loading
     draft = chosen_draft(args, "poss serve")
     try:
-        gen = load(args.target, draft=draft, dtype=args.dtype, device=args.device, retune=args.retune,
-                   datastore=args.datastore, draft_vocab=args.draft_vocab)
+        gen = load(args.target, draft=draft, dtype=args.dtype, device=args.device, datastore=args.datastore,
+                   draft_vocab=args.draft_vocab, threads=args.threads or "auto")
+        if args.retune:  # the tree sizes, then the batch limit of the tree served, within about a minute
+            from poss.decode.autotune import MachineBusy, tune
+
+            try:
+                print(f"poss serve: {tune(gen, max_batch=args.max_batch, tree=None if tree == 'auto' else tree)}",
+                      file=sys.stderr)
+            except MachineBusy as exc:
+                print(f"poss serve: --retune: {exc}", file=sys.stderr)
         tree = gen.resolve_tree(tree, beam_width=args.beam_width,
                                 **({} if args.lookup == "auto" else {"lookup": args.lookup}))
     except (ValueError, FileNotFoundError, OSError) as exc:
@@ -86,8 +96,11 @@ def run(args) -> int:
     def started():
         spec = info["speculate_max_batch"]
         spec = "never" if spec == 0 else "always" if spec is None else f"up to batch {spec}"
-        print(f"poss serve: {name} at {url} (draft: {draft or 'none'}, speculating {spec}; "
-              f"max batch {args.max_batch}); Ctrl-C stops", file=sys.stderr, flush=True)
+        auto = gen.auto_choice
+        how = f", auto: {auto.source}" if auto is not None and auto.tree == tree else ""
+        print(f"poss serve: {name} at {url} (draft: {draft or 'none'}, tree {tree_label(tree)}{how}, speculating "
+              f"{spec}; max batch {args.max_batch}; {torch.get_num_threads()} threads); Ctrl-C stops",
+              file=sys.stderr, flush=True)
 
     app = create_app(engine, name, default_max_tokens=args.default_max_tokens, max_body=args.max_body,
                      model_info=info, on_started=started)

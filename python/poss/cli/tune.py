@@ -1,43 +1,61 @@
-"""``poss tune``: time this machine for a target and draft now (the draft tree ``auto`` picks and the batch
-size above which speculation stops paying), replacing any cached timings, and print what was chosen."""
+"""``poss tune``: time this machine for a target and draft now (the draft tree ``auto`` picks and, with
+``--max-batch``, the batch size above which speculation stops paying), within a time budget, and cache it.
 
-import json
+Nothing else times on its own: ``auto`` uses this cache, else the tree shipped with the draft for this CPU
+class and dtype. On a busy machine the timings would mislead, so ``tune`` refuses unless ``--force``.
+"""
+
+import sys
 
 from poss.cli.args import (
+    DATASTORE_HELP,
+    DRAFT_VOCAB_HELP,
     Formatter,
-    add_beam_width,
     add_draft,
     add_dtype,
     add_target,
     add_threads,
     check_model,
-    set_threads,
+    datastore_arg,
+    draft_vocabs,
+    float_in,
+    int_at_least,
 )
 
 
 def add_parser(sub):
-    p = sub.add_parser("tune", help="time the draft tree and batch limit for this machine now (what `auto` uses)",
+    p = sub.add_parser("tune", help="time draft tree sizes on this machine now (about a minute; what `auto` uses)",
                        formatter_class=Formatter)
     add_target(p)
     add_draft(p)
     add_dtype(p, "run")
     add_threads(p)
-    add_beam_width(p)
+    p.add_argument("--datastore", type=datastore_arg, default="auto", help=DATASTORE_HELP)
+    p.add_argument("--draft-vocab", choices=draft_vocabs(), default="trained", help=DRAFT_VOCAB_HELP)
+    p.add_argument("--budget", type=float_in(1), default=60.0, help="seconds to spend at most, about")
+    p.add_argument("--max-batch", type=int_at_least(1), default=None,
+                   help="also time where speculation stops paying, up to this batch (poss serve's --max-batch)")
+    p.add_argument("--force", action="store_true", help="time even while other work holds the cores")
     return p
 
 
 def run(args) -> int:
     check_model(args)
-    set_threads(args)
     from poss.cli.args import chosen_draft
+    from poss.decode.autotune import MachineBusy, busy_reason, tune
     from poss.decode.loader import load
-    from poss.hardware import resolve_dtype
+    from poss.hardware import default_threads, resolve_dtype
 
-    # retune: the cached timings go first, so both choices below are measured now, not read back.
+    reason = None if args.force else busy_reason(args.threads or default_threads())
+    if reason is not None:  # before loading the model: it would not be timed
+        print(f"poss tune: {reason}; not timing; --force times anyway", file=sys.stderr)
+        return 1
     gen = load(args.target, draft=chosen_draft(args, "poss tune"), dtype=resolve_dtype(args.dtype, "cpu"),
-               retune=True, speculate_max_batch="auto")
-    tree = gen.auto_tree(args.beam_width)
-    limit = gen.speculation_limit(tree)
-    print(json.dumps({"num_nodes": tree.num_nodes, "depth": tree.depth, "beam_width": tree.beam_width,
-                      "lookup": tree.lookup, "speculate_max_batch": limit}, indent=1))
+               datastore=args.datastore, draft_vocab=args.draft_vocab, threads=args.threads or "auto")
+    try:
+        print(f"poss tune: {tune(gen, budget_s=args.budget, force=args.force, max_batch=args.max_batch)}",
+              file=sys.stderr)
+    except MachineBusy as e:
+        print(f"poss tune: {e}; --force times anyway", file=sys.stderr)
+        return 1
     return 0

@@ -40,6 +40,22 @@ class Request:
     features: Optional[Tensor] = None  # [P + n - 1, H], kept when the generator keeps features
 
 
+def check_request(prompt: List[int], max_new_tokens: int, vocab: int, context_limit: int,
+                  name: str = "the prompt") -> None:
+    """``ValueError`` (its message starting with ``name``) for a request the loop cannot run: an empty
+    prompt, a token id outside ``[0, vocab)``, no room under ``context_limit``, a negative budget."""
+    if not prompt:
+        raise ValueError(f"{name} is empty: there is no token to continue from")
+    bad = next((t for t in prompt if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"{name} has token id {bad}, outside the vocabulary [0, {vocab})")
+    if len(prompt) >= context_limit:
+        raise ValueError(f"{name} has {len(prompt)} tokens, at or over the context limit of {context_limit}: "
+                         "no room to generate")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+
+
 class BatchState:
     """Device buffers for ``requests`` (rows in order) plus the host mirror of their lengths.
 

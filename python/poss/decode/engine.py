@@ -1,46 +1,90 @@
-"""Continuous batching on the speculative loop: a step-wise decoding core.
+"""The decoding loop: continuous batching on the speculative round, one step at a time.
 
-:class:`DecodeEngine` owns a :class:`~poss.decode.generator.Generator`'s caches and decodes a changing
-set of requests. Every :meth:`DecodeEngine.step` is:
+Every caller drives this one loop: ``Generator.generate`` / ``stream`` add their prompts and step
+until all are done, ``poss serve`` adds requests as they arrive, the tree timings
+(:mod:`poss.decode.autotune`) step it with their own profile and no end tokens. Every
+:meth:`DecodeEngine.step` is:
 
 1. drop the rows that finished or were cancelled since the last step (``BatchState.drop_finished``:
    the last row moves into the hole, caches included);
 2. admit waiting requests while the batch has room: the target prefill and the draft warm-up run on
-   the new prompts only, written into the free cache rows ``B .. B+n-1`` (row views of the caches),
+   the new prompts only, written into the free cache rows ``B .. B+n-1`` (``StaticKVCache.rows``),
    and the new rows are appended to the live :class:`~poss.decode.batch.BatchState`; their first token
    comes from the prefill;
-3. one speculative round (``Generator.round``) over every live row, then the stop rules.
+3. one speculative round (``Generator.round``) over every live row, then the stop rules, then the
+   rows that finished leave.
 
-It reuses the generator's prefill, round, stop rules and batch bookkeeping; only admission is new.
-Each request samples with its own ``torch.Generator`` (seeded by its ``seed``): its row of the round's
-uniforms comes from that generator alone, so a seeded request gives the same tokens whether it runs
-alone or among others, and greedy rows are exactly what ``Generator.generate`` gives (each row of
-every op depends only on that row).
+Each sampled request draws its random numbers from its own ``torch.Generator`` (seeded by its
+``seed``): its row of the round's uniforms comes from that generator alone, so a seeded request gives
+the same tokens whether it runs alone or among others, and greedy rows are exactly what they are
+alone (each row of every op depends only on that row).
 
-While an engine has work, it owns the generator's caches: do not call ``generate`` / ``stream`` on the
-same generator in between (they resize and overwrite the caches).
+While an engine has work, it owns the generator's caches: run one engine per generator at a time.
 """
 
 import itertools
 import random
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 
-from poss.decode.batch import BatchState, Request
-from poss.decode.generator import Stats, check_speculate_max_batch, request_stats
+from poss.decode.batch import BatchState, Request, check_request
 from poss.decode.params import SamplingParams, TreeParams
 from poss.decode.stopping import Stopper
 from poss.models.kv_cache import StaticKVCache
 
 
 @dataclass
+class Stats:
+    """Per request: generated ``tokens`` (end token included), verify ``rounds``, ``tau`` = mean tokens
+    per round (accepted draft tokens + 1), ``accept_hist[k]`` = rounds that accepted k draft tokens,
+    ``seconds`` from its admission to its end, ``draft_tokens`` = tree nodes proposed past the root over
+    all rounds (so ``1 + draft_tokens / rounds`` rows were verified per round)."""
+
+    tokens: int
+    rounds: int
+    tau: float
+    accept_hist: List[int]
+    seconds: float
+    finish_reason: str
+    draft_tokens: int = 0
+
+
+def request_stats(r: Request) -> Stats:
+    """The :class:`Stats` of a request so far."""
+    rounds = sum(r.accept_hist)
+    tau = sum((k + 1) * c for k, c in enumerate(r.accept_hist)) / rounds if rounds else 0.0
+    return Stats(len(r.generated), rounds, tau, list(r.accept_hist), r.seconds, r.finish_reason or "",
+                 r.draft_tokens)
+
+
+def check_speculate_max_batch(limit):
+    """``limit`` if it is a valid speculation limit (an int >= 1, ``"auto"`` or None), else
+    ``ValueError``."""
+    if not (limit is None or limit == "auto"
+            or (isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1)):
+        raise ValueError(f"speculate_max_batch must be an int >= 1, 'auto' or None, got {limit!r}")
+    return limit
+
+
+def speculates(draft, tree: TreeParams) -> bool:
+    """Whether rounds of ``tree`` draft at all (a draft, and a tree with nodes below the root)."""
+    return draft is not None and tree.depth >= 1 and tree.num_nodes > 1
+
+
+def round_slack(tree: TreeParams, depth: int) -> int:
+    """Cache slots past a request's text that one round can touch: its tree (with the lookup chain),
+    the draft's beam and its catch-up over the pairs the last round committed."""
+    return tree.num_nodes + tree.beam_width * depth + depth + 2 * tree.lookup + 8
+
+
+@dataclass
 class StepEvent:
     """What one step did to one request: ``tokens`` newly generated (maybe none), and once, at its end,
     ``finished`` with ``finish_reason`` (``eos`` / ``length`` / ``context`` / ``stop`` / ``cancelled``)
-    and its :class:`~poss.decode.generator.Stats`."""
+    and its :class:`Stats`."""
 
     id: int
     tokens: List[int]
@@ -58,11 +102,13 @@ class _Live:
         self.stopper, self.rng, self.start = stopper, rng, time.perf_counter()
 
 
-def _rows_from(cache: StaticKVCache, offset: int) -> StaticKVCache:
-    """A cache whose row 0 is ``cache``'s row ``offset`` (a view: writes land in ``cache``)."""
-    view = object.__new__(StaticKVCache)
-    view.k, view.v = cache.k[:, offset:], cache.v[:, offset:]
-    return view
+def request_rng(sampling: SamplingParams, device) -> Optional[torch.Generator]:
+    """The generator a request samples from: seeded by its ``seed`` (a fresh random seed when it has
+    none); None for a greedy request, which draws nothing."""
+    if sampling.greedy:
+        return None
+    seed = sampling.seed if sampling.seed is not None else random.randrange(1 << 62)
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def _grown_keeping(cache: StaticKVCache, rows: int, max_seq: int, keep_rows: int) -> StaticKVCache:
@@ -83,33 +129,40 @@ class DecodeEngine:
             tokens and context limit).
         tree: the draft tree of every round: a :class:`TreeParams`, ``"auto"``, or None for the
             generator's ``default_tree``.
-        max_batch: most requests decoded together (None: no bound); more wait in :meth:`pending`.
+        max_batch: most requests decoded together (None: no bound); more wait in :attr:`pending`.
         speculate_max_batch: speculate only while at most this many requests are live; larger batches
             take plain decoding rounds (one token each, no draft), since a tree round's cost grows with
-            batch x tree rows. ``"auto"``: measured once on this machine
-            (:func:`poss.decode.autotune.speculation_limit`); None: always speculate. Greedy output is
-            the same either way; a seeded sampled request then gives the same tokens only under the
-            same load (its uniforms are drawn per round, and the round type depends on the batch).
+            batch x tree rows. ``"auto"``: the generator's choice for this tree and ``max_batch``
+            (:meth:`~poss.decode.generator.Generator.speculation_limit`); None: always speculate.
+            Greedy output is the same either way; a seeded sampled request then gives the same tokens
+            only under the same load (its uniforms are drawn per round, and the round type depends on
+            the batch). So do lookup chains, which a batch pads to a common length.
+        end_ids: the tokens that end a request (None: the generator's; the tree timings pass none, so
+            every request runs its full length).
+        profile: ``{phase: [seconds per round]}`` the rounds append to (``draft``, ``verify``,
+            ``commit``, ``host``); None: the generator's ``profile`` attribute (None there too: no
+            timing).
     """
 
     def __init__(self, generator, tree: Union[TreeParams, str, None] = None, max_batch: Optional[int] = None,
-                 speculate_max_batch: Union[int, str, None] = None):
+                 speculate_max_batch: Union[int, str, None] = None, end_ids: Optional[Iterable[int]] = None,
+                 profile: Optional[Dict[str, List[float]]] = None):
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         check_speculate_max_batch(speculate_max_batch)
         self.gen = generator
         self.tree = generator.resolve_tree(tree)
         self.max_batch = max_batch
-        t = self.tree
-        self.speculate = generator.draft is not None and t.depth >= 1 and t.num_nodes > 1
+        self.speculate = speculates(generator.draft, self.tree)
         if speculate_max_batch == "auto":
-            from poss.decode.autotune import speculation_limit
-
-            speculate_max_batch = speculation_limit(generator, t, max_batch) if self.speculate else None
-        self.speculate_max_batch = speculate_max_batch
-        self.depth = t.depth if self.speculate else 0
-        # Slots past a request's text that one round can touch: its tree and the draft's catch-up.
-        self.slack = t.num_nodes + t.beam_width * self.depth + self.depth + 2 * t.lookup + 8
+            speculate_max_batch = generator.speculation_limit(self.tree, max_batch)
+        self.speculate_max_batch = speculate_max_batch if self.speculate else None
+        self.depth = self.tree.depth if self.speculate else 0
+        self.slack = round_slack(self.tree, self.depth)
+        self.end_ids = set(generator.end_ids if end_ids is None else end_ids)
+        self.profile = profile
+        # Target features feed the draft; a generator that keeps them for training needs them too.
+        self.with_feats = self.speculate or generator.keep_features
         self.capacity = 0  # slots per row of the batch buffers and caches
         self.batch: Optional[BatchState] = None
         self._pending: List[Request] = []
@@ -122,25 +175,24 @@ class DecodeEngine:
             stop: Sequence[str] = ()) -> int:
         """Queue a request (token ids); it joins the batch at a later :meth:`step`. Returns its id."""
         prompt = [int(t) for t in prompt_ids]
-        if not prompt:
-            raise ValueError("the prompt is empty: there is no token to continue from")
-        if len(prompt) >= self.gen.context_limit:
-            raise ValueError(f"the prompt has {len(prompt)} tokens, at or over the context limit of "
-                             f"{self.gen.context_limit}: no room to generate")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        sampling = sampling or SamplingParams()
+        check_request(prompt, max_new_tokens, self.gen.runner.embed.shape[0], self.gen.context_limit)
         rid = next(self._next_id)
-        req = Request(rid, prompt, int(max_new_tokens), sampling)
-        req.accept_hist = [0] * (self.depth + self.tree.lookup + 1)
-        rng = None
-        if not sampling.greedy:
-            seed = sampling.seed if sampling.seed is not None else random.randrange(1 << 62)
-            rng = torch.Generator(device=self.gen.runner.device).manual_seed(seed)
+        while rid in self._live:  # an id a submitted request took
+            rid = next(self._next_id)
+        return self.submit(Request(rid, prompt, int(max_new_tokens), sampling or SamplingParams()), stop)
+
+    def submit(self, request: Request, stop: Sequence[str] = ()) -> int:
+        """Queue a checked :class:`Request` (``poss.decode.batch.check_request``) under its ``index`` as
+        id, which no live request of this engine may hold. The engine fills in its tokens and
+        statistics as it runs. Returns the id."""
+        if request.index in self._live:
+            raise ValueError(f"request id {request.index} is already in use")
+        request.accept_hist = [0] * (self.depth + self.tree.lookup + 1)
         decode = self.gen.decode if self.gen.tokenizer is not None else None
-        self._live[rid] = _Live(Stopper(self.gen.end_ids, stop, decode), rng)
-        self._pending.append(req)
-        return rid
+        self._live[request.index] = _Live(Stopper(self.end_ids, stop, decode),
+                                          request_rng(request.sampling, self.gen.runner.device))
+        self._pending.append(request)
+        return request.index
 
     def cancel(self, rid: int) -> bool:
         """Stop a request: a waiting one leaves now, a running one's row is dropped at the next step.
@@ -188,13 +240,16 @@ class DecodeEngine:
             t = self.tree
             # A plain round leaves the draft behind; its next round catches up on the pairs it missed.
             spec = self.speculate and (self.speculate_max_batch is None or batch.size <= self.speculate_max_batch)
+            profile = self.profile if self.profile is not None else self.gen.profile
             rows = self.gen.round(batch, t.num_nodes if spec else 1, self.depth if spec else 0, t.beam_width,
-                                  uniforms=self._uniforms(batch.requests),
-                                  lookup=t.lookup if spec or not self.speculate else 0)
+                                  self._uniforms(batch.requests), lookup=t.lookup if spec or not self.speculate else 0,
+                                  profile=profile)
+            since = time.perf_counter()
             before = [len(r.generated) for r in batch.requests]
             self.gen.apply_round(batch, rows, lambda r: self._live[r.index].stopper)
             events += [self._event(r, n) for r, n in zip(batch.requests, before)]
             self._drop()
+            record_phase(profile, "host", since, batch.ids.device)
         return events
 
     def _admit(self, events: List[StepEvent]) -> None:
@@ -211,13 +266,13 @@ class DecodeEngine:
         limit = self.gen.context_limit
         self._ensure(B + len(new), max(min(limit, len(r.prompt) + r.max_new_tokens) + self.slack for r in new))
         runner, draft = self.gen.runner, self.gen.draft
-        sub = BatchState(new, runner.hidden_size, self.capacity, runner.dtype, runner.device, self.speculate)
+        sub = BatchState(new, runner.hidden_size, self.capacity, runner.dtype, runner.device, self.with_feats)
         cache, draft_caches = runner.cache, draft.caches if self.speculate else None
-        runner.cache = _rows_from(cache, B)  # the prefill and warm-up write rows B .. B+n-1
+        runner.cache = cache.rows(B)  # the prefill and warm-up write rows B .. B+n-1
         if self.speculate:
-            draft.caches = _rows_from(draft_caches, B)
+            draft.caches = draft_caches.rows(B)
         try:
-            first = self.gen.prefill(sub, self.depth, uniforms=self._uniforms(new))
+            first = self.gen.prefill(sub, self.depth, self._uniforms(new))
         finally:
             runner.cache = cache
             if self.speculate:
@@ -252,18 +307,23 @@ class DecodeEngine:
         batch = self.batch
         if batch is None:
             return
-        gone = [r.index for r in batch.requests if r.finished]
+        gone = [r for r in batch.requests if r.finished]
         if not gone:
             return
+        if self.gen.keep_features:
+            for b, r in enumerate(batch.requests):
+                if r.finished and r.features is None:
+                    n = len(r.prompt) + len(r.generated) - 1  # features exist for t < committed length
+                    r.features = batch.feats[b, :n].clone()
         caches = [self.gen.runner.cache] + ([self.gen.draft.caches] if self.speculate else [])
         batch.drop_finished(caches)
-        for rid in gone:
-            self._live.pop(rid, None)
+        for r in gone:
+            self._live.pop(r.index, None)
 
     # -- helpers ---------------------------------------------------------------------------------
-    def _uniforms(self, requests: List[Request]):
-        """``uniforms(B, N)`` for ``Generator.prefill`` / ``round``: row b from request b's own
-        generator (zeros for greedy rows, which read none)."""
+    def _uniforms(self, requests: List[Request]) -> Callable[[int, int], torch.Tensor]:
+        """``uniforms(B, N)`` for ``Generator.prefill`` / ``round``: ``[B, N + 1] float32``, row b from
+        request b's own generator (zeros for greedy rows, which read none)."""
 
         def draw(B: int, N: int) -> torch.Tensor:
             dev = self.gen.runner.device
@@ -284,3 +344,15 @@ class DecodeEngine:
         if not r.seconds and live is not None:
             r.seconds = time.perf_counter() - live.start
         return StepEvent(r.index, tokens, True, r.finish_reason, request_stats(r))
+
+
+def record_phase(profile: Optional[Dict[str, List[float]]], phase: str, since: float, device) -> float:
+    """Append the seconds since ``since`` to ``profile[phase]`` (nothing when ``profile`` is None);
+    returns now. On CUDA it first waits for the device, so the phase's device work counts."""
+    if profile is None:
+        return since
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    now = time.perf_counter()
+    profile.setdefault(phase, []).append(now - since)
+    return now

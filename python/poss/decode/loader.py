@@ -13,7 +13,8 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
          dtype: Union[str, torch.dtype] = "auto", device="cpu", context_limit: Optional[int] = None,
          tree: Union[TreeParams, str] = "auto", compile: bool = False,
          speculate_max_batch: Union[int, str, None] = "auto", retune: bool = False,
-         datastore: Union[str, Path, None] = "auto", draft_vocab: str = "trained") -> Generator:
+         datastore: Union[str, Path, None] = "auto", draft_vocab: str = "trained",
+         threads: Union[int, str, None] = "auto") -> Generator:
     """Load the target offline and, when ``draft`` is a PosS draft folder, attach it.
 
     With ``draft=None`` the generator decodes autoregressively on the same runner (the baseline);
@@ -21,16 +22,19 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
     ``dtype``: ``"auto"`` (the default) runs in bf16 on CUDA and on CPUs with hardware bf16 (AMX /
     AVX512-BF16) or AVX2 + FMA (``poss.linear``'s AVX2 bf16 kernel), else fp32
     (:func:`poss.hardware.resolve_dtype`); a name (``"bf16"``) or a torch dtype
-    is used as given. ``tree``: the generator's ``default_tree``: ``"auto"`` (the default) sizes the
-    draft tree for this machine, dtype and draft on the first call that needs it (timed once, about a
-    minute on a small CPU, then cached on disk; :meth:`Generator.auto_tree`), or a fixed
-    :class:`TreeParams`. ``speculate_max_batch``: the generator's
-    :attr:`~Generator.speculate_max_batch`: calls with more live requests decode plainly; ``"auto"``
-    (the default) measures where tree rounds stop paying on this machine (once, cached on disk), None
-    always speculates. ``retune``: forget this machine's cached timings for this target and draft
-    (:func:`poss.decode.autotune.forget`), so both ``"auto"`` choices measure again (after timings
-    taken on a busy machine). ``compile``: :func:`compile_steps` (off by default: on the development CPU it
-    bought 2-8 % for ~30 s of compilation, see docs/benchmarks.md). Raises ``ValueError`` when the draft
+    is used as given. ``tree``: the generator's ``default_tree``: ``"auto"`` (the default) is the tree
+    with the most expected tokens/s by this machine's timing when :func:`poss.decode.autotune.tune`
+    (``poss tune``) made one, else the draft's tree shipped for this CPU class and dtype (nothing is
+    timed unasked; :meth:`Generator.auto_tree`), or a fixed :class:`TreeParams`.
+    ``speculate_max_batch``: the generator's :attr:`~Generator.speculate_max_batch`: calls with more
+    live requests decode plainly; ``"auto"`` (the default) is this machine's timing or the shipped
+    default likewise, None always speculates. ``retune``: time this machine now (``tune``, about a
+    minute; refused with a warning while other work holds the cores). ``threads``: torch's CPU threads:
+    ``"auto"`` (the default) at most the usable cores other work leaves free
+    (:func:`poss.hardware.default_threads`; a lower count already set stays), an int, or None to leave
+    torch's setting. ``compile``:
+    :func:`compile_steps` (off by default: on the development CPU it bought 2-8 % for ~30 s of
+    compilation, see docs/benchmarks.md). Raises ``ValueError`` when the draft
     was trained for a different target. ``datastore``: the :class:`~poss.decode.datastore.Datastore`
     whose text fills a round's lookup chain where the context holds none: ``"auto"`` (the default) the
     one shipped for a registry target (:func:`~poss.decode.datastore.shipped_datastore_path`) when
@@ -44,6 +48,7 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
     from poss.models.registry import load_model, resolve
     from poss.models.target import TargetRunner
 
+    set_threads(threads, device)
     dtype = resolve_dtype(dtype, device)
     path = resolve(target)
     # An fp16 runner converts from fp32 weights, whose fingerprint matches the drafts' (TargetRunner).
@@ -57,13 +62,35 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
     gen = Generator(runner, tokenizer=tokenizer, draft=d, context_limit=context_limit, target_path=path,
                     generation_config=getattr(model, "generation_config", None),
                     datastore=load_datastore(datastore, target, runner))
+    gen.draft_dir = Path(draft) if draft is not None else None
     gen.default_tree = tree
     gen.speculate_max_batch = speculate_max_batch
+    if compile:
+        compile_steps(gen)  # before timing: compiled steps cost differently
     if retune:
-        from poss.decode.autotune import forget
+        import warnings
 
-        forget(gen)
-    return compile_steps(gen) if compile else gen
+        from poss.decode.autotune import MachineBusy, tune
+
+        try:
+            tune(gen)
+        except MachineBusy as e:
+            warnings.warn(f"retune: {e}", RuntimeWarning, stacklevel=2)
+    return gen
+
+
+def set_threads(threads: Union[int, str, None], device="cpu") -> None:
+    """Set torch's CPU threads as ``poss.load``'s ``threads`` says (on a CPU device only); ``ValueError``
+    for anything but an int >= 1, ``"auto"`` or None."""
+    from poss.hardware import default_threads
+
+    if not (threads is None or threads == "auto"
+            or (isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1)):
+        raise ValueError(f"threads must be an int >= 1, 'auto' or None, got {threads!r}")
+    if threads is None or torch.device(device).type != "cpu":
+        return
+    # "auto" only lowers: a count the caller (or OMP_NUM_THREADS) set lower stays.
+    torch.set_num_threads(min(torch.get_num_threads(), default_threads()) if threads == "auto" else threads)
 
 
 def load_datastore(datastore: Union[str, Path, None], target: Union[str, Path], runner):

@@ -5,8 +5,6 @@ Adding a logits processor (min-p was added this way) is a field of :class:`Sampl
 row in :class:`SamplingTensors`, the batch's device copy that ``tree_verify`` reads.
 """
 
-import hashlib
-import random
 import struct
 from dataclasses import dataclass, fields
 from typing import List, Optional, Sequence, Union
@@ -39,8 +37,9 @@ class SamplingParams:
     top_k: keep the k most likely tokens (0 = all). top_p: keep the smallest set holding this much
     probability (1 = all). min_p: keep tokens whose probability is at least ``min_p`` times the most
     likely one's (0 = off). All filters apply after the temperature, and only when sampling.
-    seed: makes a call reproducible; the batch draws its random numbers from one generator seeded by
-    its requests' seeds (no seed anywhere: a fresh random seed).
+    seed: makes the request reproducible: it draws its random numbers from its own generator seeded
+    with it, so it samples the same tokens alone or in any batch, through ``generate`` or ``poss
+    serve`` (requests that share a prompt and a seed sample alike; no seed: a fresh random one).
     """
 
     temperature: float = 0.0
@@ -87,18 +86,6 @@ class SamplingParams:
                 raise ValueError(f"{name} has {len(values)} values for {n} prompts")
             base = [SamplingParams(**{**vars(p), name: v}) for p, v in zip(base, values)]
         return base
-
-
-def batch_seed(params: Sequence[SamplingParams]) -> int:
-    """The seed of a batch's generator: the requests' seed when they share one, a mix of their seeds
-    otherwise, a fresh random seed when none has one."""
-    seeds = [p.seed for p in params if p.seed is not None]
-    if not seeds:
-        return random.randrange(1 << 62)
-    if len(set(seeds)) == 1:
-        return seeds[0]
-    mix = hashlib.sha256(repr([p.seed for p in params]).encode()).hexdigest()
-    return int(mix[:15], 16)
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Steps 2 and 3 of a round: verify the tree on the target, then commit what was accepted."""
 
-from typing import Callable, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -74,13 +74,27 @@ def greedy_walk(tree: Tree, row_logits: Callable[[Tensor, Tensor], Tensor]) -> T
     return nodes, acc, nxt
 
 
+class Verdict(NamedTuple):
+    """What :func:`verify` decided for a round, as :func:`commit` takes it (row b: request b).
+
+    nodes ``[B, N] int32``: the accepted path's node ids, root first (-1 past it); accept_len ``[B] int32``:
+    accepted draft tokens; next_token ``[B] int64``: the bonus token after them; features ``[B, N, H]``:
+    the target's final-norm features of every tree node (the runner's dtype).
+    """
+
+    nodes: Tensor
+    accept_len: Tensor
+    next_token: Tensor
+    features: Tensor
+
+
 @torch.inference_mode()
-def verify(runner, batch: BatchState, tree: Tree, uniforms: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def verify(runner, batch: BatchState, tree: Tree, uniforms: Optional[Tensor]) -> Verdict:
     """One target forward over the tree's nodes (at positions ``L + depth``), then ``tree_verify``.
 
-    Returns accept_nodes ``[B, N] int32``, accept_len ``[B] int32``, next_token ``[B] int64`` and the
-    tree's target features ``[B, N, H]``. Lossless: greedy rows take the target's argmax path,
-    sampling rows are exact for this deterministic draft (see ``poss_ext.ops.tree_verify``).
+    Lossless: greedy rows take the target's argmax path, sampling rows are exact for this deterministic
+    draft (see ``poss_ext.ops.tree_verify``). ``uniforms``: ``[B, N + 1] float32``, None when all rows
+    are greedy.
     """
     positions = batch.length_dev.long().unsqueeze(1) + tree.depth.long()
     lazy = walks_lazily(runner.device, tree.tokens.numel(), batch.sampling)
@@ -91,19 +105,19 @@ def verify(runner, batch: BatchState, tree: Tree, uniforms: Optional[Tensor]) ->
         nodes, acc, nxt = greedy_walk(tree, lambda req, node: runner.logits(features[req, node]))
     else:
         nodes, acc, nxt = tree_verify(tree, logits, batch.sampling, uniforms)
-    return nodes, acc, nxt, features
+    return Verdict(nodes, acc, nxt, features)
 
 
 @torch.inference_mode()
-def commit(runner, batch: BatchState, tree: Tree, nodes: Tensor, acc: Tensor, nxt: Tensor, features: Tensor,
-           max_accept: int) -> Tensor:
+def commit(runner, batch: BatchState, tree: Tree, verdict: Verdict, max_accept: int) -> Tensor:
     """Keep the accepted path: compact the target KV, append tokens + bonus, store their features.
 
-    ``max_accept`` bounds ``acc`` (the draft depth). Everything stays on the device; returns
-    ``[B, 1 + max_accept + 1] int64`` = (accept_len, new tokens...), of which row b's first
-    ``acc + 1`` tokens are real (the accepted draft tokens, then the bonus). The caller reads it
-    back once per round.
+    ``max_accept`` bounds the accept lengths (the draft depth plus the lookup chain). Everything stays
+    on the device; returns ``[B, 1 + max_accept + 1] int64`` = (accept_len, new tokens...), of which
+    row b's first ``acc + 1`` tokens are real (the accepted draft tokens, then the bonus). The caller
+    reads it back once per round.
     """
+    nodes, acc, nxt, features = verdict
     B, N = tree.tokens.shape
     A = min(N, max_accept + 1)  # root + accepted nodes, at most
     poss_ext.ops.kv_compact(runner.cache.k[:, :B], runner.cache.v[:, :B], batch.length_dev, nodes, acc)

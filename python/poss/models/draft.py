@@ -86,7 +86,8 @@ class PosSDraft(nn.Module):
         if self.caches is None:
             p = next(self.parameters())
             c = self.config
-            self.caches = StaticKVCache(c.n_specialists, batch, c.kv_heads, max_seq, c.head_dim, p.dtype, p.device)
+            self.caches = StaticKVCache.zeros(c.n_specialists, batch, c.kv_heads, max_seq, c.head_dim, p.dtype,
+                                              p.device)
         else:
             self.caches = self.caches.grown(batch, max_seq)
 

@@ -12,20 +12,34 @@ class StaticKVCache:
     current step (node i at slot ``L + i``) or garbage, and are never read as prefix.
     """
 
-    def __init__(self, num_layers: int, batch: int, kv_heads: int, max_seq: int, head_dim: int,
-                 dtype: torch.dtype, device):
+    def __init__(self, k: Tensor, v: Tensor):
+        """A cache over existing ``k`` / ``v`` tensors ``[L, B, Hkv, S_max, D]`` (see :meth:`zeros`)."""
+        if k.shape != v.shape or k.dim() != 5:
+            raise ValueError(f"k and v must be [L, B, Hkv, S_max, D] of one shape, got {tuple(k.shape)} and "
+                             f"{tuple(v.shape)}")
+        self.k, self.v = k, v
+
+    @classmethod
+    def zeros(cls, num_layers: int, batch: int, kv_heads: int, max_seq: int, head_dim: int,
+              dtype: torch.dtype, device) -> "StaticKVCache":
+        """A new zero-filled cache of ``batch`` rows and ``max_seq`` slots per layer."""
         shape = (num_layers, batch, kv_heads, max_seq, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        if self.k.is_cuda:
+        cache = cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        if cache.k.is_cuda:
             # The layer ops write the cache in place. Under torch.compile(mode="reduce-overhead") a
             # CUDA graph may mutate only inputs at a fixed address, and skips graphs for any other
             # mutated input. A cache lives as long as its runner; a grown cache is a new tensor, and
             # the guard recompiles for it.
             from torch._dynamo import mark_static_address
 
-            mark_static_address(self.k, guard=True)
-            mark_static_address(self.v, guard=True)
+            mark_static_address(cache.k, guard=True)
+            mark_static_address(cache.v, guard=True)
+        return cache
+
+    def rows(self, start: int) -> "StaticKVCache":
+        """A cache whose row 0 is this cache's row ``start``: a view, so writes land in this cache (the
+        decoding engine prefills newly admitted requests into the free rows this way)."""
+        return StaticKVCache(self.k[:, start:], self.v[:, start:])
 
     @property
     def max_seq(self) -> int:
@@ -44,8 +58,8 @@ class StaticKVCache:
         if self.batch >= batch and self.max_seq >= max_seq:
             return self
         L, _, Hkv, _, D = self.k.shape
-        return StaticKVCache(L, max(batch, self.batch), Hkv, max(max_seq, self.max_seq), D, self.k.dtype,
-                             self.k.device)
+        return StaticKVCache.zeros(L, max(batch, self.batch), Hkv, max(max_seq, self.max_seq), D, self.k.dtype,
+                                   self.k.device)
 
     def check_fits(self, prefix_len: Tensor, num_nodes: int) -> None:
         """Raise a clear error when ``num_nodes`` more slots do not fit behind ``prefix_len [B] int32``.

@@ -142,8 +142,8 @@ class TargetRunner:
         if self.dtype == torch.float16 and next(hf_model.parameters()).dtype != torch.float16:
             # Taken before fp16's rounding, so a draft trained on the fp32 / bf16 target attaches.
             self._fingerprint = model_fingerprint(hf_model)
-        self.cache = StaticKVCache(len(self.layers), max_batch, self.num_kv_heads, max_seq,
-                                   self.head_dim, self.dtype, self.device)
+        self.cache = StaticKVCache.zeros(len(self.layers), max_batch, self.num_kv_heads, max_seq,
+                                         self.head_dim, self.dtype, self.device)
 
     def _move_weights_to_huge_pages(self) -> None:
         fields = [(p, k) for p in self.layers for k in vars(p)]
