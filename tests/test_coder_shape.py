@@ -79,8 +79,8 @@ def chi2_pvalue(counts, probs):
 def sample(gen, temperature, calls=30, batch=64):
     counts, accepted = {}, 0
     for seed in range(calls):
-        res = gen.generate([PROMPT] * batch, 3, temperature=temperature, top_p=TOP_P, seed=seed, depth=3,
-                           num_nodes=12, beam_width=4)
+        res = gen.generate([PROMPT] * batch, 3, temperature=temperature, top_p=TOP_P, depth=3, num_nodes=12,
+                           beam_width=4, seed=[seed * batch + i for i in range(batch)])  # one seed per request
         for ids, s in zip(res.token_ids, res.stats):
             counts[tuple(ids)] = counts.get(tuple(ids), 0) + 1
             accepted += sum(k * c for k, c in enumerate(s.accept_hist))

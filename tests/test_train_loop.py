@@ -65,8 +65,20 @@ def test_poss_init_from_eagle_copies_the_layer(tmp_path):
     eagle = PosSDraft.load(tmp_path / "e" / "draft")
     tp = make_trainer(tmp_path / "p", method="poss", steps=6, ppl=2, init_from=str(tmp_path / "e" / "draft"))
     assert tp.draft.config.n_specialists == 3
-    rec = tp.training_record({})["init_from"]  # what the saved configs record: the folder and its own training
-    assert rec["path"] == str(tmp_path / "e" / "draft") and rec["training"]["recipe"]["method"] == "eagle2"
+    rec = tp.training_record({})["init_from"]  # what the saved configs record: one level, no nested lineage
+    from poss.train.draft_card import file_digest
+
+    e_cfg = json.loads((tmp_path / "e" / "draft" / "config.json").read_text())
+    assert rec["path"] == str(tmp_path / "e" / "draft") and rec["method"] == "EAGLE-2" and "training" not in rec
+    assert rec["fingerprint"] == file_digest(tmp_path / "e" / "draft" / "model.safetensors")
+    assert rec["tokens_total"] == e_cfg["training"]["tokens"] > 0
+    # A third round records the second's total, not its record: the lineage stays one level deep.
+    tp.fit()
+    t3 = make_trainer(tmp_path / "q", method="poss", steps=6, ppl=2, init_from=str(tmp_path / "p" / "draft"))
+    rec3 = t3.training_record({})["init_from"]
+    p_cfg = json.loads((tmp_path / "p" / "draft" / "config.json").read_text())
+    assert rec3["tokens_total"] == p_cfg["training"]["tokens"] + e_cfg["training"]["tokens"]
+    assert all(not isinstance(v, dict) for v in rec3.values())
     torch.testing.assert_close(tp.draft.fc.weight, eagle.fc.weight, rtol=0, atol=0)
     for layer in tp.draft.layers:
         for (n, a), (_, b) in zip(layer.state_dict().items(), eagle.layers[0].state_dict().items()):

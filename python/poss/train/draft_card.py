@@ -47,9 +47,26 @@ def file_digest(path: Path) -> str:
 
 
 def cumulative_tokens(training: dict) -> int:
-    """Token-passes of a draft's training and of every draft it started from (its ``init_from`` chain)."""
+    """Token-passes of a draft's training and of every draft it started from: the ``tokens_total`` its
+    ``init_from`` summary records (configs before that nest the init's whole ``training`` record)."""
     init = training.get("init_from") or {}
-    return training["tokens"] + (cumulative_tokens(init["training"]) if init.get("training") else 0)
+    sources = init.get("sources") or [init]
+    before = [s["tokens_total"] if s.get("tokens_total") is not None
+              else cumulative_tokens(s["training"]) if s.get("training") else 0 for s in sources]
+    return training["tokens"] + max(before, default=0)
+
+
+def init_summary_record(folder) -> dict:
+    """What a trained draft's config records of a draft it started from (one level, no nested lineage):
+    its folder (as given), weights fingerprint, method, epochs, token-passes so far and held-out acc@1."""
+    folder = Path(folder)
+    cfg = read_json(folder / "config.json")
+    t = cfg.get("training") or {}
+    weights = folder / "model.safetensors"
+    return {"path": str(folder), "fingerprint": file_digest(weights) if weights.is_file() else None,
+            "method": method_label(t["recipe"]) if t.get("recipe") else None, "epoch": t.get("epoch"),
+            "epochs": (t.get("recipe") or {}).get("epochs"), "tokens_total": cumulative_tokens(t) if t else None,
+            "acc1": (t.get("val") or {}).get("acc", [None])[0]}
 
 
 def init_summary(cfg: dict, path) -> dict:
@@ -71,8 +88,12 @@ def init_of(cfg: dict, run: Optional[Path], init_dir: Optional[Path]) -> Optiona
         rec = t["init_from"]
         if rec is None:
             return None
-        facts = (init_summary({"training": rec["training"]}, rec["path"]) if rec.get("training")
-                 else {"path": rec["path"]})
+        rec = (rec.get("sources") or [rec])[-1]  # two sources: the later specialists' (the larger lineage)
+        if rec.get("training"):  # a config from before init_from was a one-level summary
+            facts = init_summary({"training": rec["training"]}, rec["path"])
+        else:
+            facts = {"path": rec["path"], "label": rec.get("method"), "epoch": rec.get("epoch"),
+                     "epochs": rec.get("epochs"), "tokens": rec.get("tokens_total"), "acc1": rec.get("acc1")}
         return {**facts, "recorded": True}
     if init_dir is None or not on_policy(cfg) or (run is not None and run.resolve() in init_dir.resolve().parents):
         return None

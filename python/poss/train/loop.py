@@ -133,22 +133,51 @@ def new_draft(runner: TargetRunner, cfg: TrainConfig, target_name: str, init_fro
         if token_map is not None:
             draft.token_map.copy_(token_map)
         return draft
-    for path, src in zip(init_sources(init_from), srcs):
+    paths = init_sources(init_from)
+    for path, src in zip(paths, srcs):
         src.config.check_target(dc.target_fingerprint, what=path)
+    return PosSDraft.from_layers(init_layers(paths, srcs, dc), dc)
+
+
+def init_layers(paths: List[str], srcs: List[PosSDraft], dc: DraftConfig) -> List[Dict[str, torch.Tensor]]:
+    """One single-layer state dict (``fc.*``, ``layers.0.*``, ``token_map``) per specialist of ``dc``.
+
+    A source with the same layout continues: specialist j from its specialist j (its own or shared fc).
+    A single-layer source (EAGLE-2 / HASS) starts every specialist; with two sources, specialist 0 takes
+    the first and the others the second. Any other pairing would drop trained specialists: refused."""
+    def layer_of(src: PosSDraft, j: int) -> Dict[str, torch.Tensor]:
+        sd = src.state_dict()
+        fc = f"fcs.{j}." if src.config.fc_per_specialist else "fc."
+        out = {"fc." + k[len(fc):]: v for k, v in sd.items() if k.startswith(fc)}
+        out.update({"layers.0." + k[len(f"layers.{j}."):]: v for k, v in sd.items() if k.startswith(f"layers.{j}.")})
+        if "token_map" in sd:
+            out["token_map"] = sd["token_map"]
+        return out
+
+    n = dc.n_specialists
+    if len(srcs) == 1 and srcs[0].config.n_specialists == n > 1:
+        c = srcs[0].config
+        if [c.specialist_for(p) for p in range(1, 17)] != [dc.specialist_for(p) for p in range(1, 17)]:
+            raise ValueError(f"init_from {paths[0]}: its {n} specialists draft other positions than this run's "
+                             f"(schedule {c.schedule or c.positions_per_specialist} vs "
+                             f"{dc.schedule or dc.positions_per_specialist})")
+        return [layer_of(srcs[0], j) for j in range(n)]
+    for path, src in zip(paths, srcs):
         if src.config.n_specialists != 1:
-            raise ValueError(f"init_from {path}: expected a single-layer draft (EAGLE-2 / HASS), it has "
-                             f"{src.config.n_specialists} specialists")
-    layers = [srcs[0].state_dict()] + [srcs[-1].state_dict()] * (dc.n_specialists - 1)
-    return PosSDraft.from_layers(layers, dc)
+            raise ValueError(f"init_from {path}: a draft of {src.config.n_specialists} specialists can only "
+                             f"continue a run of the same layout, not start one of {n}")
+    return [layer_of(srcs[0], 0)] + [layer_of(srcs[-1], 0)] * (n - 1)
 
 
 def init_record(init_from: InitFrom) -> Optional[Dict]:
-    """The ``--init-from`` draft(s) as a trained draft's config records them: folder (as given) and its own
-    ``training`` record (epochs, token-passes, validation), so a model card can say where training started."""
-    srcs = init_sources(init_from)
-    if not srcs:
+    """The ``--init-from`` draft(s) as a trained draft's config records them: one level each (folder as
+    given, weights fingerprint, method, epochs, token-passes so far, held-out acc@1), never the source's
+    own lineage, so a model card can say where training started without nesting every earlier round."""
+    from poss.train.draft_card import init_summary_record
+
+    recs = [init_summary_record(p) for p in init_sources(init_from)]
+    if not recs:
         return None
-    recs = [{"path": p, "training": json.loads((Path(p) / "config.json").read_text()).get("training")} for p in srcs]
     return recs[0] if len(recs) == 1 else {"path": [r["path"] for r in recs], "sources": recs}
 
 
