@@ -87,11 +87,9 @@ def test_reference_dequantize_is_gguf_dequantize(fmt):
     assert np.abs(got - w).max() < 0.5  # a sanity check that these are the weights, quantized
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
 def test_nibble_order_low_first(fmt):
     """Element j of a 4-bit block is the low nibble of byte j, element j + 16 its high nibble (d = 1, m = 0)."""
-    if fmt == "q8_0":
-        pytest.skip("no nibbles")
     blk = torch.zeros(1, BYTES[fmt], dtype=torch.uint8)
     blk[0, 0:2] = torch.tensor([1.0]).half().view(torch.uint8)
     off = 4 if fmt == "q4_1" else 2

@@ -20,7 +20,7 @@ from poss.cli_args import (
 )
 from poss.models.draft_config import DRAFT_VOCABS
 
-DTYPES = ("auto", "float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16", "gguf")
 _TREE_FLAGS = {"num_nodes": "--num-nodes", "depth": "--depth", "beam_width": "--beam-width", "lookup": "--lookup"}
 
 
@@ -36,7 +36,8 @@ def add_arguments(p: argparse.ArgumentParser, chat: bool) -> None:
                    help="PosS draft folder (config.json + model.safetensors); default: the one shipped for the target")
     p.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding (the baseline)")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="weights and activations; auto: bfloat16 on CUDA or a CPU with AMX/AVX512-BF16, else float32")
+                   help="weights and activations; auto: bfloat16 on CUDA or a CPU with AMX/AVX512-BF16, else float32; "
+                        "gguf: the GGUF file's own Q8_0/Q4_0/Q4_1 blocks (CPU), other weights as auto")
     p.add_argument("--threads", type=int_at_least(1), default=None,
                    help="torch CPU threads (default: torch's choice); on a busy 2-core machine 1 thread can be "
                         "several times faster than 2")
@@ -106,8 +107,9 @@ def _load(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    dtype = "gguf" if args.dtype == "gguf" else resolve_dtype(args.dtype, "cpu")  # gguf: the file's own blocks
     limit = getattr(args, "speculate_max_batch", "auto")  # chat has one conversation: no flag
-    return load(args.target, draft=chosen_draft(args, "poss"), dtype=resolve_dtype(args.dtype, "cpu"),
+    return load(args.target, draft=chosen_draft(args, "poss"), dtype=dtype,
                 compile=args.compile, speculate_max_batch=None if limit == "off" else limit,
                 retune=args.retune, datastore=args.datastore, draft_vocab=args.draft_vocab)
 
