@@ -297,6 +297,12 @@ def _qlinear_cuda(x, blocks, format, bias=None, residual=None):
                        "(bf16 / fp16 / fp32) instead of 'gguf'")
 
 
+def _register_qlinear_cuda_error() -> None:
+    """qlinear has no CUDA kernel in any build: CUDA tensors get an error that says what to do instead of
+    the dispatcher's "could not run with arguments from the CUDA backend"."""
+    torch.library.register_kernel("poss::qlinear", "CUDA", _qlinear_cuda)
+
+
 def cpu_qlinear_kernel() -> str:
     """The kernel :func:`qlinear` runs on this CPU: ``"avx512"`` (AVX512F + BW + VL), ``"avx2"``
     (AVX2 + FMA + F16C) or ``"scalar"``; all give the same bits. ``POSS_QLINEAR`` (read once, when
@@ -437,8 +443,6 @@ def _specialist_forward_fake(embeds, *args):
 def _register_fallbacks(build_info: dict) -> None:
     """Serve the ops on CUDA tensors with the pure-PyTorch references when no CUDA kernel was built,
     behind the kernels' argument checks (poss_ext/fallback.py)."""
-    # qlinear has no CUDA kernel in any build: a CUDA tensor gets an error that says what to do.
-    torch.library.register_kernel("poss::qlinear", "CUDA", _qlinear_cuda)
     if build_info["cuda"]:
         return
     # decoder_layer and specialist_forward are composites: they dispatch to these.
