@@ -14,7 +14,6 @@ pytest form:    PYTHONPATH=.:python pytest bench/bench_draft_layout.py --benchma
 
 import argparse
 import statistics
-import sys
 
 import torch
 
@@ -116,8 +115,8 @@ def main(argv=None):
     for t, name, k, depth, ms, ratio in rows:
         print(f"| {t} | {name} | {k:,} | {depth} | {ms:.2f} | {ratio:.2f}× |")
     m = describe(args.dtype, args.threads)
-    print(f"\n{m['cpu']} ({m['torch_cpu_capability']}), {args.threads} thread(s), {args.dtype}, {args.rounds} rounds each",
-          file=sys.stdout)
+    print(f"\n{m['cpu']} ({m['torch_cpu_capability']}), {args.threads} thread(s), {args.dtype}, "
+          f"{args.rounds} rounds each")
 
 
 if __name__ == "__main__":

@@ -212,10 +212,14 @@ def small_pages_row(gen, model, prompts, new: int) -> Dict:
 
 
 def weight_bytes(runner) -> int:
-    """Bytes an AR step streams: every layer weight, the final norm and the lm_head."""
-    n = sum(t.numel() * t.element_size() for lp in runner.layers for t in vars(lp).values()
-            if isinstance(t, torch.Tensor))
-    return n + runner.lm_head.numel() * runner.lm_head.element_size() + runner.final_norm_w.numel() * 4
+    """Bytes an AR step streams: every layer weight (GGUF blocks as stored), the final norm and the lm_head."""
+    def size(t):
+        t = getattr(t, "blocks", t)  # a QuantWeight: its blocks
+        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+    n = sum(size(t) for lp in runner.layers for t in vars(lp).values())
+    head = getattr(runner, "lm_head_blocks", None) or runner.lm_head
+    return n + size(head) + runner.final_norm_w.numel() * 4
 
 
 def bandwidth(row: Dict, runner) -> Dict:

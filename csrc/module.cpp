@@ -4,6 +4,7 @@
 
 #include "cpu/tree_attention_exact.h"
 #include "poss/linear_args.h"
+#include "poss/qlinear_args.h"
 
 #ifndef POSS_TORCH_VERSION
 #define POSS_TORCH_VERSION "unknown"
@@ -35,6 +36,10 @@ PYBIND11_MODULE(_C, m) {
       },
       "The CPU kernel of poss::linear for a dtype ('bfloat16', 'float32', 'float16'): 'avx512-bf16' or "
       "'avx2-fma' (row-invariant), or 'aten'.");
+  m.def("cpu_qlinear_kernel", [] { return std::string(poss::cpu_qlinear_kernel()); },
+        "The CPU kernel of poss::qlinear in use: 'avx512', 'avx2' or 'scalar' (the same bits).");
+  m.def("force_cpu_qlinear_kernel", &poss::force_cpu_qlinear_kernel, py::arg("name"),
+        "Run poss::qlinear with kernel 'avx512', 'avx2' or 'scalar' ('' = the best this CPU has).");
   m.def("cpu_exact_attention_lanes", &poss::cpu_exact_attention_lanes,
         "SIMD lanes of the CPU's row-exact tree attention: 16 (AVX512F) or 8 (AVX2, or POSS_ATTENTION_LANES=8).");
 }

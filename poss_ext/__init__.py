@@ -14,6 +14,7 @@ from poss_ext import ops, reference  # noqa: E402
 from poss_ext.ops import build_tree, kv_compact, tree_attention, tree_verify  # noqa: E402
 
 ops._register_fallbacks(dict(_C.build_info()))
+ops._register_qlinear_cuda_error()
 ops._register_attention_backend()  # POSS_ATTENTION=triton: the Triton kernel on CUDA
 
 

@@ -254,6 +254,72 @@ def cpu_linear_kernel(dtype: torch.dtype = torch.bfloat16) -> str:
     return _C.cpu_linear_kernel(str(dtype).replace("torch.", ""))
 
 
+# ---- Linear with GGUF block weights ----------------------------------------------------------
+
+# Bytes of one block of 32 weights in each format poss::qlinear reads (csrc/include/poss/qlinear_args.h).
+QFORMAT_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+QBLOCK = 32
+
+
+def qlinear(x: Tensor, blocks: Tensor, format: str, bias: Optional[Tensor] = None,
+            residual: Optional[Tensor] = None) -> Tensor:
+    """``x @ W.T + bias + residual`` with ``W [N, K]`` in a GGUF block format, accumulated in fp32.
+
+    Args:
+        x: ``[..., K]`` float32 / bfloat16 / float16 on the CPU; ``K`` a multiple of 32.
+        blocks: ``[N, K / 32 * B] uint8``, each row ``K / 32`` blocks of 32 weights exactly as a GGUF
+            file stores them (``B`` = :data:`QFORMAT_BLOCK_BYTES` of the format):
+            ``"q8_0"``: fp16 d, 32 int8 q, ``w = q * d``; ``"q4_0"``: fp16 d, 16 bytes of nibbles,
+            ``w = (q - 8) * d``; ``"q4_1"``: fp16 d, fp16 m, 16 bytes of nibbles, ``w = q * d + m``.
+            Byte j of the nibbles holds weight j (low nibble) and weight j + 16 (high nibble).
+        format: ``"q8_0"``, ``"q4_0"`` or ``"q4_1"``.
+        bias: ``[N]`` or None; residual: ``[..., N]`` or None; x's dtype.
+    Returns:
+        ``[..., N]`` in x's dtype. Each element: the block's weights decoded to fp32 exactly as gguf
+        decodes them, 32 fp32 lanes of FMAs over K, a fixed pairwise sum of the lanes, + bias,
+        + residual, one rounding. Every row is computed that way however many rows share the call, and
+        every kernel (:func:`cpu_qlinear_kernel`) gives the same bits. A block whose scale (or min) is
+        inf or NaN is an error. No CUDA kernel and no backward.
+    """
+    return torch.ops.poss.qlinear(x, blocks, format, bias, residual)
+
+
+@torch.library.register_fake("poss::qlinear")
+def _qlinear_fake(x, blocks, format, bias=None, residual=None):
+    torch._check(format in QFORMAT_BLOCK_BYTES, lambda: f"format must be one of {list(QFORMAT_BLOCK_BYTES)}")
+    torch._check(blocks.dim() == 2 and blocks.shape[1] * QBLOCK == x.shape[-1] * QFORMAT_BLOCK_BYTES[format],
+                 lambda: "blocks must be [N, K / 32 * block bytes]")
+    return x.new_empty((*x.shape[:-1], blocks.shape[0]))
+
+
+def _qlinear_cuda(x, blocks, format, bias=None, residual=None):
+    raise RuntimeError("poss::qlinear has CPU kernels only; on CUDA, load the target with a float dtype "
+                       "(bf16 / fp16 / fp32) instead of 'gguf'")
+
+
+def _register_qlinear_cuda_error() -> None:
+    """qlinear has no CUDA kernel in any build: CUDA tensors get an error that says what to do instead of
+    the dispatcher's "could not run with arguments from the CUDA backend"."""
+    torch.library.register_kernel("poss::qlinear", "CUDA", _qlinear_cuda)
+
+
+def cpu_qlinear_kernel() -> str:
+    """The kernel :func:`qlinear` runs on this CPU: ``"avx512"`` (AVX512F + BW + VL), ``"avx2"``
+    (AVX2 + FMA + F16C) or ``"scalar"``; all give the same bits. ``POSS_QLINEAR`` (read once, when
+    poss_ext loads) picks one, as :func:`force_cpu_qlinear_kernel` does later."""
+    from poss_ext import _C
+
+    return _C.cpu_qlinear_kernel()
+
+
+def force_cpu_qlinear_kernel(name: str = "") -> None:
+    """Run :func:`qlinear` with kernel ``name`` (``"avx512"``, ``"avx2"``, ``"scalar"``) from now on;
+    ``""`` goes back to the best this CPU has. A kernel this CPU cannot run is a RuntimeError."""
+    from poss_ext import _C
+
+    _C.force_cpu_qlinear_kernel(name)
+
+
 def cpu_exact_attention_lanes() -> int:
     """SIMD lanes of the row-exact CPU path of :func:`tree_attention` (requests behind a committed
     prefix): 16 on CPUs with AVX512F, else 8. Both widths give the same bits; ``POSS_ATTENTION_LANES=8``

@@ -262,6 +262,37 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, residual: O
     return y.to(x.dtype)
 
 
+QFORMAT_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+
+
+def dequantize(blocks: Tensor, format: str) -> Tensor:
+    """GGUF blocks ``[N, K / 32 * B] uint8`` -> the weights ``[N, K] float32``.
+
+    A block is ``fp16 d`` (q8_0, q4_0) or ``fp16 d, fp16 m`` (q4_1), then its quants: 32 int8
+    (``w = q * d``) or 16 bytes whose low nibbles are weights 0..15 and high nibbles 16..31
+    (q4_0: ``w = (q - 8) * d``; q4_1: ``w = q * d + m``, one fp32 rounding).
+    """
+    N = blocks.shape[0]
+    b = blocks.reshape(N, -1, QFORMAT_BLOCK_BYTES[format])
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, nb, 1]
+    if format == "q8_0":
+        q = b[..., 2:].contiguous().view(torch.int8).float()
+        return (q * d).reshape(N, -1)
+    qs = b[..., 4:] if format == "q4_1" else b[..., 2:]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # [N, nb, 32]: low nibbles first
+    if format == "q4_0":
+        return ((q - 8) * d).reshape(N, -1)
+    m = b[..., 2:4].contiguous().view(torch.float16).float()
+    return (q * d + m).reshape(N, -1)  # q * d is exact in fp32: one rounding, as the kernels' FMA
+
+
+def qlinear(x: Tensor, blocks: Tensor, format: str, bias: Optional[Tensor] = None,
+            residual: Optional[Tensor] = None) -> Tensor:
+    """:func:`linear` with the weight in GGUF blocks: the dequantised fp32 weights, the products and
+    sums in fp64, rounded once to x's dtype."""
+    return linear(x, dequantize(blocks, format).to(x.device), bias, residual)
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Reference of ``poss::rms_norm``: HF Llama RMSNorm, statistics in fp32."""
     xf = x.float()

@@ -265,9 +265,9 @@ DEFAULT_TARGET = "smollm2-135m"
 # --dtype has one choice list per meaning: choices, default, help.
 DTYPES = {
     # The models' dtype at inference (poss.hardware.resolve_dtype).
-    "run": (("auto", "float32", "bfloat16", "float16"), "auto",
+    "run": (("auto", "float32", "bfloat16", "float16", "gguf"), "auto",
             "the models' weights and activations; auto: bfloat16 on CUDA or a CPU with AMX, AVX512-BF16 or "
-            "AVX2+FMA, else float32"),
+            "AVX2+FMA, else float32; gguf: the GGUF file's own Q8_0/Q4_0/Q4_1 blocks (CPU), other weights as auto"),
     # Training runs torch's own GEMMs (bf16 fast only with hardware bf16) and has no fp16 loss scaling.
     "train": (("auto", "float32", "bfloat16"), "auto",
               "target features and mixed precision; auto: bfloat16 on CUDA or a CPU with AMX/AVX512-BF16, "
@@ -381,6 +381,13 @@ def draft_vocabs() -> Tuple[str, ...]:
     from poss.models.draft_config import DRAFT_VOCABS  # imports no torch
 
     return DRAFT_VOCABS
+
+
+def model_dtype(args, device: str = "cpu"):
+    """``--dtype`` as ``poss.load`` takes it: ``"gguf"`` as given (the file's blocks), else a torch dtype."""
+    from poss.hardware import resolve_dtype
+
+    return "gguf" if args.dtype == "gguf" else resolve_dtype(args.dtype, device)
 
 
 def set_threads(args) -> None:

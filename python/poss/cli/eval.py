@@ -140,6 +140,9 @@ def run(args) -> int:
     methods = [None] + (["hf"] if args.hf else []) + list(drafts)
     s = Settings(args.max_new_tokens, args.num_nodes, args.depth, args.beam_width, args.temperature, args.seed,
                  args.turns, args.lookup, args.draft_vocab)
+    if args.dtype == "gguf":
+        raise UsageError("--dtype gguf: poss eval runs float targets (auto, float32, bfloat16, float16); "
+                         "time the GGUF blocks with poss generate or bench/bench_qlinear.py")
     dtype = resolve_dtype(args.dtype, "cpu")
     try:
         evaluate(args.target, methods, datasets, args.out, s, dtype=dtype, limit=args.limit,

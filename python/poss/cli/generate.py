@@ -82,12 +82,11 @@ def options(args) -> dict:
 
 def load(args):
     """The generator for the flags (loads the models; call it after every check)."""
-    from poss.cli.args import chosen_draft
+    from poss.cli.args import chosen_draft, model_dtype
     from poss.decode.loader import load as load_generator
-    from poss.hardware import resolve_dtype
 
     limit = getattr(args, "speculate_max_batch", "auto")  # chat has one conversation: no flag
-    return load_generator(args.target, draft=chosen_draft(args, "poss"), dtype=resolve_dtype(args.dtype, "cpu"),
+    return load_generator(args.target, draft=chosen_draft(args, "poss"), dtype=model_dtype(args),
                           compile=args.compile, speculate_max_batch=None if limit == "off" else limit,
                           retune=args.retune, datastore=args.datastore, draft_vocab=args.draft_vocab,
                           threads=args.threads or "auto")

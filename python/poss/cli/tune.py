@@ -41,16 +41,16 @@ def add_parser(sub):
 
 def run(args) -> int:
     check_model(args)
-    from poss.cli.args import chosen_draft
+    from poss.cli.args import chosen_draft, model_dtype
     from poss.decode.autotune import MachineBusy, busy_reason, tune
     from poss.decode.loader import load
-    from poss.hardware import default_threads, resolve_dtype
+    from poss.hardware import default_threads
 
     reason = None if args.force else busy_reason(args.threads or default_threads())
     if reason is not None:  # before loading the model: it would not be timed
         print(f"poss tune: {reason}; not timing; --force times anyway", file=sys.stderr)
         return 1
-    gen = load(args.target, draft=chosen_draft(args, "poss tune"), dtype=resolve_dtype(args.dtype, "cpu"),
+    gen = load(args.target, draft=chosen_draft(args, "poss tune"), dtype=model_dtype(args),
                datastore=args.datastore, draft_vocab=args.draft_vocab, threads=args.threads or "auto")
     try:
         print(f"poss tune: {tune(gen, budget_s=args.budget, force=args.force, max_batch=args.max_batch)}",

@@ -70,7 +70,10 @@ def cache_key(gen) -> Dict:
             # the chains' worth depends on where they come from (poss.decode.datastore)
             "datastore": gen.datastore.fingerprint if gen.datastore is not None else None,
             # torch.compile'd steps (poss.load(compile=True)) cost differently from eager ones
-            "compiled": gen.compiled}
+            "compiled": gen.compiled,
+            # GGUF blocks (dtype "gguf") stream a third of bf16's bytes: other timings (a float target's
+            # key is left as it was, so its cached timings stay valid)
+            **({"weights": gen.runner.weight_formats()} if getattr(gen.runner, "quantized", False) else {})}
 
 
 def cache_dir():

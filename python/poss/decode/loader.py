@@ -22,7 +22,10 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
     ``dtype``: ``"auto"`` (the default) runs in bf16 on CUDA and on CPUs with hardware bf16 (AMX /
     AVX512-BF16) or AVX2 + FMA (``poss.linear``'s AVX2 bf16 kernel), else fp32
     (:func:`poss.hardware.resolve_dtype`); a name (``"bf16"``) or a torch dtype
-    is used as given. ``tree``: the generator's ``default_tree``: ``"auto"`` (the default) is the tree
+    is used as given; ``"gguf"`` (CPU only, a registry target or a .gguf file) runs the file's own Q8_0 /
+    Q4_0 / Q4_1 blocks through :func:`poss_ext.ops.qlinear`, with the activations, the cache and any
+    weight in another format in ``"auto"``'s float dtype (:meth:`TargetRunner.weight_formats` says which).
+    ``tree``: the generator's ``default_tree``: ``"auto"`` (the default) is the tree
     with the most expected tokens/s by this machine's timing when :func:`poss.decode.autotune.tune`
     (``poss tune``) made one, else the draft's tree shipped for this CPU class and dtype (nothing is
     timed unasked; :meth:`Generator.auto_tree`), or a fixed :class:`TreeParams`.
@@ -49,12 +52,17 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
     from poss.models.target import TargetRunner
 
     set_threads(threads, device)
+    blocks = None
+    if dtype == "gguf":
+        blocks = gguf_blocks(target, device)
+        dtype = "auto"
     dtype = resolve_dtype(dtype, device)
     path = resolve(target)
     # An fp16 runner converts from fp32 weights, whose fingerprint matches the drafts' (TargetRunner).
     tokenizer, model = load_model(path, dtype=torch.float32 if dtype == torch.float16 else dtype, device=device)
     # Small initial caches: the generator grows them to each call's batch and length.
-    runner = TargetRunner(model, max_batch=1, max_seq=256, dtype=dtype)
+    runner = TargetRunner(model, max_batch=1, max_seq=256, dtype=dtype,
+                          quantized=None if blocks is None else blocks(model.config))
     d = None
     if draft is not None:
         d = PosSDraft.load(draft, dtype=dtype, device=device, vocab=draft_vocab).attach(runner, max_batch=1,
@@ -91,6 +99,21 @@ def set_threads(threads: Union[int, str, None], device="cpu") -> None:
         return
     # "auto" only lowers: a count the caller (or OMP_NUM_THREADS) set lower stays.
     torch.set_num_threads(min(torch.get_num_threads(), default_threads()) if threads == "auto" else threads)
+
+
+def gguf_blocks(target: Union[str, Path], device):
+    """For ``dtype="gguf"``: a function of the HF config -> the target file's linear weights in blocks
+    (:func:`poss.models.gguf_weights.read_gguf_linears`). Raises ``ValueError`` for a target without a
+    GGUF file or a device other than the CPU."""
+    from poss.models.gguf_weights import read_gguf_linears
+    from poss.models.registry import gguf_file
+
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"dtype 'gguf' runs on the CPU only (poss_ext.ops.qlinear), got device {device!r}")
+    path = gguf_file(target)
+    if path is None:
+        raise ValueError(f"dtype 'gguf' needs a GGUF target (a registry name or a .gguf file), got {target!r}")
+    return lambda config: read_gguf_linears(path, config.num_attention_heads, config.num_key_value_heads).blocks
 
 
 def load_datastore(datastore: Union[str, Path, None], target: Union[str, Path], runner):

@@ -115,6 +115,15 @@ def resolve(source: Union[str, Path]) -> Path:
     )
 
 
+def gguf_file(source: Union[str, Path]) -> Optional[Path]:
+    """The GGUF file behind ``source`` (a registry name, fetched if needed, or a .gguf path), or None for an
+    HF folder."""
+    if isinstance(source, str) and source in REGISTRY:
+        return fetch_gguf(source)
+    path = Path(source).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
 def load_model(source: Union[str, Path], dtype: torch.dtype = torch.float32, device="cpu"):
     """Load ``(tokenizer, model)`` offline; the model is an HF Llama / Qwen2 / Mistral causal LM in eval mode."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

@@ -7,7 +7,7 @@ runner returns logits and the final-norm hidden states ("features") the draft co
 
 import hashlib
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -15,6 +15,7 @@ from torch import Tensor
 import poss_ext
 from poss.huge_pages import pack_on_huge_pages
 from poss.models.kv_cache import StaticKVCache
+from poss.models.quant_weight import QuantWeight, Weight, decoder_layer, project
 from poss.models.tree import chain_parents
 
 SUPPORTED_MODEL_TYPES = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
@@ -73,27 +74,39 @@ def model_fingerprint(hf_model) -> str:
 @dataclass
 class LayerParams:
     in_norm_w: Tensor
-    w_qkv: Tensor
+    w_qkv: Weight  # a float tensor, or GGUF blocks (QuantWeight) for a target loaded with dtype "gguf"
     b_qkv: Optional[Tensor]
-    w_o: Tensor
+    w_o: Weight
     post_norm_w: Tensor
-    w_gate_up: Tensor
-    w_down: Tensor
+    w_gate_up: Weight
+    w_down: Weight
 
 
-def layer_params(layer, dtype) -> LayerParams:
-    """Pack one HF decoder layer's weights into the fused layout (q|k|v rows, gate|up rows)."""
-    att, mlp = layer.self_attn, layer.mlp
+def layer_params(layer, dtype, quantized: Optional[Dict[str, QuantWeight]] = None, prefix: str = "") -> LayerParams:
+    """Pack one HF decoder layer's weights into the fused layout (q|k|v rows, gate|up rows).
+
+    ``quantized``: HF parameter name (``prefix`` + ``self_attn.q_proj.weight``...) -> GGUF blocks; a fused
+    weight whose parts are all blocks of one format stays blocks, any other is the HF model's, in ``dtype``.
+    """
+    att = layer.self_attn
     cvt = lambda t: t.detach().to(dtype).contiguous()  # noqa: E731
     has_bias = att.q_proj.bias is not None
+
+    def weight(*names):
+        blocks = QuantWeight.stack([(quantized or {}).get(f"{prefix}{n}.weight") for n in names])
+        if blocks is not None:
+            return blocks
+        modules = [layer.get_submodule(n) for n in names]
+        return cvt(torch.cat([m.weight for m in modules]) if len(modules) > 1 else modules[0].weight)
+
     return LayerParams(
         in_norm_w=cvt(layer.input_layernorm.weight),
-        w_qkv=cvt(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])),
+        w_qkv=weight("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
         b_qkv=cvt(torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias])) if has_bias else None,
-        w_o=cvt(att.o_proj.weight),
+        w_o=weight("self_attn.o_proj"),
         post_norm_w=cvt(layer.post_attention_layernorm.weight),
-        w_gate_up=cvt(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
-        w_down=cvt(mlp.down_proj.weight),
+        w_gate_up=weight("mlp.gate_proj", "mlp.up_proj"),
+        w_down=weight("mlp.down_proj"),
     )
 
 
@@ -106,10 +119,14 @@ class TargetRunner:
         dtype: compute dtype (float32 / bfloat16 / float16); defaults to the model's.
         huge_pages: on a CPU, copy the weights onto 2 MB pages (:mod:`poss.huge_pages`; a
             no-op where the OS cannot): a decode step streams them all, and 4 KB pages cost TLB misses.
+        quantized: HF parameter name -> GGUF blocks (:func:`poss.models.gguf_weights.read_gguf_linears`):
+            those projections (and ``lm_head.weight``'s logits) run :func:`poss_ext.ops.qlinear` on the
+            blocks, CPU only; ``hf_model`` holds the same weights dequantised, for everything else. The
+            draft still reads the float lm_head (:attr:`lm_head`).
     """
 
     def __init__(self, hf_model, max_batch: int, max_seq: int, dtype: Optional[torch.dtype] = None,
-                 huge_pages: bool = True):
+                 huge_pages: bool = True, quantized: Optional[Dict[str, QuantWeight]] = None):
         cfg = hf_model.config
         check_architecture(cfg)
         if getattr(cfg, "hidden_act", "silu") != "silu":
@@ -132,14 +149,25 @@ class TargetRunner:
         self.eps = float(cfg.rms_norm_eps)
         # HF's own inverse frequencies, so every RoPE scaling it implements is folded in here.
         self.inv_freq = rotary.inv_freq.detach().float().to(self.device).contiguous()
-        self.layers: List[LayerParams] = [layer_params(l, self.dtype) for l in hf_model.model.layers]
+        if quantized and self.device.type != "cpu":
+            raise ValueError(f"quantized (GGUF block) weights run on the CPU only, the model is on {self.device}")
+        quantized = quantized or {}
+        self.layers: List[LayerParams] = [layer_params(l, self.dtype, quantized, f"model.layers.{i}.")
+                                          for i, l in enumerate(hf_model.model.layers)]
         self.embed = hf_model.model.embed_tokens.weight.detach().to(self.dtype)
         self.final_norm_w = hf_model.model.norm.weight.detach().to(self.dtype).contiguous()
         self.lm_head = hf_model.lm_head.weight.detach().to(self.dtype)
+        # The logits' lm_head as blocks (the draft keeps reading the float one above).
+        self.lm_head_blocks: Optional[QuantWeight] = quantized.get("lm_head.weight")
+        self.quantized = self.lm_head_blocks is not None or any(
+            isinstance(w, QuantWeight) for p in self.layers for w in vars(p).values())
         if huge_pages and self.device.type == "cpu":
             self._move_weights_to_huge_pages()
         self._fingerprint: Optional[str] = None
-        if self.dtype == torch.float16 and next(hf_model.parameters()).dtype != torch.float16:
+        if self.quantized:
+            # The dequantised weights' (hf_model's): a draft trained on the file's float target attaches.
+            self._fingerprint = model_fingerprint(hf_model)
+        elif self.dtype == torch.float16 and next(hf_model.parameters()).dtype != torch.float16:
             # Taken before fp16's rounding, so a draft trained on the fp32 / bf16 target attaches.
             self._fingerprint = model_fingerprint(hf_model)
         self.cache = StaticKVCache.zeros(len(self.layers), max_batch, self.num_kv_heads, max_seq,
@@ -147,10 +175,16 @@ class TargetRunner:
 
     def _move_weights_to_huge_pages(self) -> None:
         fields = [(p, k) for p in self.layers for k in vars(p)]
-        packed = pack_on_huge_pages([getattr(p, k) for p, k in fields] + [self.embed, self.lm_head, self.final_norm_w])
+        tensors = [getattr(p, k) for p, k in fields]
+        tensors = [w.blocks if isinstance(w, QuantWeight) else w for w in tensors]
+        head_blocks = [] if self.lm_head_blocks is None else [self.lm_head_blocks.blocks]
+        packed = pack_on_huge_pages(tensors + [self.embed, self.lm_head, self.final_norm_w] + head_blocks)
         for (p, k), t in zip(fields, packed):
-            setattr(p, k, t)
-        self.embed, self.lm_head, self.final_norm_w = packed[len(fields):]
+            w = getattr(p, k)
+            setattr(p, k, QuantWeight(t, w.format) if isinstance(w, QuantWeight) else t)
+        self.embed, self.lm_head, self.final_norm_w = packed[len(fields):len(fields) + 3]
+        if head_blocks:
+            self.lm_head_blocks = QuantWeight(packed[-1], self.lm_head_blocks.format)
 
     @property
     def hidden_size(self) -> int:
@@ -159,8 +193,20 @@ class TargetRunner:
     def weights(self) -> List[Tensor]:
         """Every tensor the forward reads besides its inputs and the cache: the layers' weights, the
         embedding, the final norm, the lm_head and the RoPE frequencies."""
-        layers = [v for p in self.layers for v in vars(p).values() if v is not None]
-        return layers + [self.embed, self.final_norm_w, self.lm_head, self.inv_freq]
+        layers = [v.blocks if isinstance(v, QuantWeight) else v for p in self.layers for v in vars(p).values()
+                  if v is not None]
+        head = [] if self.lm_head_blocks is None else [self.lm_head_blocks.blocks]
+        return layers + [self.embed, self.final_norm_w, self.lm_head, self.inv_freq] + head
+
+    def weight_formats(self) -> Dict[str, int]:
+        """How many of the linear weights the forward streams (the fused layers' and the logits'
+        lm_head) are in each format: ``"q4_1"``..., or the float dtype's name."""
+        counts: Dict[str, int] = {}
+        head = self.lm_head_blocks if self.lm_head_blocks is not None else self.lm_head
+        for w in [getattr(p, k) for p in self.layers for k in ("w_qkv", "w_o", "w_gate_up", "w_down")] + [head]:
+            name = w.format if isinstance(w, QuantWeight) else str(w.dtype).replace("torch.", "")
+            counts[name] = counts.get(name, 0) + 1
+        return counts
 
     def fingerprint(self) -> str:
         """Hash of the target's weights; a draft records it and refuses any other target."""
@@ -194,10 +240,12 @@ class TargetRunner:
         x = torch.nn.functional.embedding(tokens, self.embed)
         for i, p in enumerate(self.layers):
             k, v = self.cache.layer(i)
-            x = poss_ext.ops.decoder_layer(
-                x, p.in_norm_w, p.w_qkv, p.b_qkv, p.w_o, p.post_norm_w, p.w_gate_up, p.w_down,
-                k[:B], v[:B], prefix_len, parents, positions, self.inv_freq,
-                self.num_heads, self.num_kv_heads, self.eps)
+            # GGUF blocks: the same ops, each projection through qlinear where it has blocks.
+            layer = decoder_layer if self.quantized else poss_ext.ops.decoder_layer
+            args = (p,) if self.quantized else (p.in_norm_w, p.w_qkv, p.b_qkv, p.w_o, p.post_norm_w, p.w_gate_up,
+                                                p.w_down)
+            x = layer(x, *args, k[:B], v[:B], prefix_len, parents, positions, self.inv_freq,
+                      self.num_heads, self.num_kv_heads, self.eps)
         features = poss_ext.ops.rms_norm(x, self.final_norm_w, self.eps)
         return (self.logits(features) if logits else None), features
 
@@ -205,7 +253,7 @@ class TargetRunner:
 
     def logits(self, features: Tensor) -> Tensor:
         """The lm_head: ``[..., H]`` features -> ``[..., V]`` logits in the runner's dtype."""
-        return poss_ext.ops.linear(features, self.lm_head)
+        return project(features, self.lm_head if self.lm_head_blocks is None else self.lm_head_blocks)
 
     @torch.no_grad()
     def prefill(self, prompts: Sequence[Sequence[int]]) -> Tuple[Tensor, Tensor]:

@@ -1,0 +1,121 @@
+"""GGUF block weights against bf16 at SmolLM2-135M's decode shapes, and our AR loop in both.
+
+Kernels: ``poss_ext.ops.qlinear`` in q8_0 / q4_0 / q4_1 (each CPU kernel this machine has, or the
+best) against ``poss_ext.ops.linear`` in bf16, over one layer's projections (q|k|v 960 x 576, o
+576 x 576, gate|up 3072 x 576, down 576 x 1536) stacked 30 times and the 49152 x 576 lm_head, at
+M = 1 / 5 / 8 / 16 rows: microseconds per pass and the weight GB/s. ``--e2e``: our AR loop on the real
+SmolLM2-135M-Instruct in bf16 and with ``dtype="gguf"`` (its own Q4_1 blocks, Q8_0 lm_head), prompt by
+prompt in turn (bench_e2e.interleaved), tokens/s.
+
+    PYTHONPATH=.:python python bench/bench_qlinear.py --threads 1
+    PYTHONPATH=.:python python bench/bench_qlinear.py --threads 1 --kernels avx512 avx2 --rows 1 8
+    PYTHONPATH=.:python python bench/bench_qlinear.py --threads 1 --e2e --prompts 4 --new 64
+"""
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+import poss_ext
+
+LAYERS, H, F, V = 30, 576, 1536, 49152
+SHAPES = [(960, H), (H, H), (2 * F, H), (H, F)]  # one layer's fused projections, [N, K]
+GGML = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
+
+
+def weights(fmt: str):
+    """The layers' projections and the lm_head, bf16 tensors or (format) uint8 blocks."""
+    import gguf.quants
+    from gguf import GGMLQuantizationType
+
+    g = np.random.default_rng(0)
+    one = [g.standard_normal(s).astype(np.float32) * 0.05 for s in SHAPES + [(V, H)]]
+    if fmt == "bf16":
+        ts = [torch.from_numpy(w).bfloat16() for w in one]
+    else:
+        ts = [torch.from_numpy(gguf.quants.quantize(w, GGMLQuantizationType[GGML[fmt]])) for w in one]
+    # distinct copies per layer, so a pass streams from memory as a decode step does
+    return [t.clone() for _ in range(LAYERS) for t in ts[:4]] + [ts[4]]
+
+
+def one_pass(x_by_k, ws, fmt):
+    for w in ws:
+        x = x_by_k[w.shape[1] if fmt == "bf16" else w.shape[1] * 32 // poss_ext.ops.QFORMAT_BLOCK_BYTES[fmt]]
+        if fmt == "bf16":
+            poss_ext.ops.linear(x, w)
+        else:
+            poss_ext.ops.qlinear(x, w, fmt)
+
+
+def time_pass(ws, fmt, rows, repeats=10):
+    x = {k: torch.randn(rows, k).bfloat16() for k in (H, F)}
+    one_pass(x, ws, fmt)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        one_pass(x, ws, fmt)
+        times.append(time.perf_counter() - t)
+    times.sort()
+    best = times[len(times) // 4]  # lower quartile: a shared machine's uncontended cost
+    return best, sum(w.numel() * w.element_size() for w in ws) / best / 1e9
+
+
+def kernels_table(kernels, rows, formats):
+    print(f"{'format':8} {'kernel':8} " + " ".join(f"{'M=' + str(m):>18}" for m in rows))
+    for fmt in ["bf16"] + formats:
+        ws = weights(fmt)
+        for k in ["linear"] if fmt == "bf16" else kernels:
+            if fmt != "bf16":
+                poss_ext.ops.force_cpu_qlinear_kernel(k)
+            cells = []
+            for m in rows:
+                s, gbs = time_pass(ws, fmt, m)
+                cells.append(f"{s * 1e3:7.2f} ms {gbs:5.1f} GB/s")
+            print(f"{fmt:8} {k:8} " + " ".join(f"{c:>18}" for c in cells))
+        poss_ext.ops.force_cpu_qlinear_kernel("")
+
+
+def e2e(prompts_n, new):
+    import poss
+    from bench_e2e import interleaved
+    from poss.data.eval_sets import load_eval_set
+
+    bf16 = poss.load("smollm2-135m", dtype=torch.bfloat16, datastore=None)
+    q = poss.load("smollm2-135m", dtype="gguf", datastore=None)
+    print("gguf weights:", q.runner.weight_formats())
+    prompts = [bf16.encode(r["turns"][0]) for r in load_eval_set("mt_bench")[:prompts_n]]
+    # interleaved runs its configs on one generator: swap the runner in per row
+    rows = []
+    for p in prompts:
+        for name, gen in (("AR bf16", bf16), ("AR gguf", q)):
+            rows.append((name, interleaved(gen, [p], new, [(name, "ours", None, None, None)])[0]))
+    for name in ("AR bf16", "AR gguf"):
+        rs = [r for n, r in rows if n == name]
+        toks = sum(r["tokens"] for r in rs)
+        secs = sum(r["seconds"] for r in rs)
+        print(f"{name}: {toks / secs:.1f} tok/s ({toks} tokens, {secs:.1f} s)")
+    same = sum(a["token_ids"] == b["token_ids"] for (_, a), (_, b) in zip(rows[0::2], rows[1::2]))
+    print(f"gguf AR identical to bf16 AR on {same}/{len(prompts)} prompts (need not be: bf16 rounds the weights)")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rows", type=int, nargs="*", default=[1, 5, 8, 16])
+    ap.add_argument("--formats", nargs="*", default=list(GGML))
+    ap.add_argument("--kernels", nargs="*", default=None, help="qlinear kernels (default: the best only)")
+    ap.add_argument("--e2e", action="store_true", help="our AR loop on SmolLM2-135M, bf16 vs gguf")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--new", type=int, default=64)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.e2e:
+        e2e(args.prompts, args.new)
+    else:
+        kernels_table(args.kernels or [poss_ext.ops.cpu_qlinear_kernel()], args.rows, args.formats)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,496 @@
+// CPU kernels of poss::qlinear: out = x @ W^T + bias + residual with W in a GGUF block format (q8_0,
+// q4_0, q4_1; csrc/include/poss/qlinear_args.h), x in fp32, bf16 or fp16, accumulated in fp32.
+//
+// Why: a decode step streams every weight once, so its time is the weight bytes over the read
+// bandwidth; a 4-bit block is 18-20 bytes per 32 weights against bf16's 64, and the shipped targets
+// are GGUF files in these formats. The weights are read as the file stores them.
+//
+// Every output element is one fixed sequence of fp32 operations, whatever the number of rows in the
+// call, the tile it falls in, the thread count, or the kernel (AVX512, AVX2, scalar: the same bits):
+//   - each block's 32 weights are decoded to fp32 exactly (q * d, (q - 8) * d; q4_1: fma(q, d, m));
+//   - 32 lanes, lane l accumulating fma(x[32 b + l], w[32 b + l], acc_l) over the blocks b in order;
+//   - the lanes summed as a fixed pairwise tree: l with l + 16, then l + 8, l + 4, l + 2, l + 1;
+//   - + bias, + residual, one rounding to x's dtype.
+// AVX512 holds the 32 lanes in two vectors, AVX2 in four, the scalar kernel in an array; the tree's
+// first two levels are vector adds and the rest the usual horizontal sum. Greedy speculation relies on
+// this: a token's logits inside a tree verify must be bit-identical to a one-token decode step's.
+//
+// x is widened to fp32 once per call (it is M x K, tiny next to the weights). A micro-kernel decodes
+// the blocks of NR weight rows once per k step and applies them to MR rows of x, so a small tree's
+// rows share one pass over the weights.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "poss/qlinear_args.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define POSS_QX86 1
+#define POSS_Q_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
+#define POSS_Q_AVX2 __attribute__((target("avx2,fma,f16c")))
+#endif
+
+namespace poss {
+namespace {
+
+constexpr int64_t kRowBlock = 64;  // weight rows per thread work unit (as poss::linear)
+// Non-temporal prefetch distance along a weight row's blocks: a weight is read once per forward.
+constexpr int64_t kPrefetchBytes = 2048;
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline float half_bits_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
+
+// A block's scales as one number that reaches 0x7C00 exactly when one of them is inf or NaN (fp16
+// exponent all ones): the kernels keep the running maximum and the call fails after the pass.
+template <QFormat F>
+inline uint32_t scale_bits(const uint8_t* blk) {
+  const uint32_t d = load_u16(blk) & 0x7FFFu;
+  if constexpr (F == QFormat::Q4_1) return std::max(d, static_cast<uint32_t>(load_u16(blk + 2) & 0x7FFFu));
+  return d;
+}
+constexpr uint32_t kNonFiniteHalf = 0x7C00u;
+
+template <QFormat F>
+constexpr int64_t block_bytes() { return F == QFormat::Q8_0 ? 34 : F == QFormat::Q4_0 ? 18 : 20; }
+
+// ---- scalar: the reference order, in plain C++ ----
+
+template <QFormat F>
+inline void decode_block(const uint8_t* blk, float* w) {
+  const float d = half_bits_to_float(load_u16(blk));
+  if constexpr (F == QFormat::Q8_0) {
+    for (int l = 0; l < 32; ++l) w[l] = static_cast<float>(static_cast<int8_t>(blk[2 + l])) * d;
+  } else if constexpr (F == QFormat::Q4_0) {
+    for (int l = 0; l < 16; ++l) {
+      w[l] = static_cast<float>((blk[2 + l] & 15) - 8) * d;
+      w[l + 16] = static_cast<float>((blk[2 + l] >> 4) - 8) * d;
+    }
+  } else {
+    const float m = half_bits_to_float(load_u16(blk + 2));
+    for (int l = 0; l < 16; ++l) {
+      w[l] = std::fma(static_cast<float>(blk[4 + l] & 15), d, m);
+      w[l + 16] = std::fma(static_cast<float>(blk[4 + l] >> 4), d, m);
+    }
+  }
+}
+
+// The 32 lanes' pairwise tree (a is overwritten).
+inline float reduce32(float* a) {
+  for (int l = 0; l < 16; ++l) a[l] += a[l + 16];
+  for (int l = 0; l < 8; ++l) a[l] += a[l + 8];
+  for (int l = 0; l < 4; ++l) a[l] += a[l + 4];
+  for (int l = 0; l < 2; ++l) a[l] += a[l + 2];
+  return a[0] + a[1];
+}
+
+template <QFormat F>
+struct ScalarKern {
+  static constexpr int kMaxRows = 1;
+  static constexpr int cols(int) { return 1; }
+  template <int MR, int NR>
+  static void micro(const float* x, int64_t, const uint8_t* w, int64_t, int64_t nb, float sums[MR][8],
+                    uint32_t& maxbits) {
+    static_assert(MR == 1 && NR == 1, "the scalar kernel computes one element at a time");
+    float acc[32] = {}, wb[32];
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = w + b * block_bytes<F>();
+      maxbits = std::max(maxbits, scale_bits<F>(blk));
+      decode_block<F>(blk, wb);
+      for (int l = 0; l < 32; ++l) acc[l] = std::fma(x[b * 32 + l], wb[l], acc[l]);
+    }
+    sums[0][0] = reduce32(acc);
+  }
+};
+
+#ifdef POSS_QX86
+
+// ---- AVX2 + FMA + F16C: the 32 lanes as four vectors of 8 ----
+
+// Chunk V (0..3, weights 8V..8V+7) of a block as eight fp32.
+template <QFormat F, int V>
+POSS_Q_AVX2 inline __m256 avx2_chunk(const uint8_t* blk, __m256 d, __m256 m) {
+  if constexpr (F == QFormat::Q8_0) {
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * V));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
+  } else {
+    constexpr int off = F == QFormat::Q4_0 ? 2 : 4;
+    __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + off + 8 * (V & 1)));
+    if constexpr (V >= 2) q = _mm_srli_epi16(q, 4);  // weights 16..31: the high nibbles
+    q = _mm_and_si128(q, _mm_set1_epi8(15));
+    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
+    if constexpr (F == QFormat::Q4_0) return _mm256_mul_ps(_mm256_sub_ps(f, _mm256_set1_ps(8.0f)), d);
+    else return _mm256_fmadd_ps(f, d, m);
+  }
+}
+
+POSS_Q_AVX2 inline float hsum256(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+template <QFormat F>
+struct Avx2Kern {
+  // MR x NR x 4 accumulators + the chunk, its scale (and min) and an x vector in 16 registers.
+  static constexpr int kMaxRows = 3;
+  static constexpr int cols(int rows) { return rows == 1 ? 2 : 1; }
+
+  template <int MR, int NR, int V>
+  POSS_Q_AVX2 static void step(__m256 (&acc)[MR][NR][4], int j, const float* xb, int64_t K, const uint8_t* blk,
+                               __m256 d, __m256 m) {
+    const __m256 wv = avx2_chunk<F, V>(blk, d, m);
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) acc[i][j][V] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + i * K + 8 * V), wv, acc[i][j][V]);
+  }
+
+  template <int MR, int NR>
+  POSS_Q_AVX2 static void micro(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t nb,
+                                float sums[MR][8], uint32_t& maxbits) {
+    __m256 acc[MR][NR][4];
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j)
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) acc[i][j][v] = _mm256_setzero_ps();
+    uint32_t mb = 0;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + b * 32;
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) {
+        const uint8_t* blk = w + j * row_bytes + b * block_bytes<F>();
+        _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetchBytes, _MM_HINT_NTA);
+        mb = std::max(mb, scale_bits<F>(blk));
+        const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(blk)));
+        const __m256 m = F == QFormat::Q4_1 ? _mm256_set1_ps(_cvtsh_ss(load_u16(blk + 2))) : d;
+        step<MR, NR, 0>(acc, j, xb, K, blk, d, m);
+        step<MR, NR, 1>(acc, j, xb, K, blk, d, m);
+        step<MR, NR, 2>(acc, j, xb, K, blk, d, m);
+        step<MR, NR, 3>(acc, j, xb, K, blk, d, m);
+      }
+    }
+    maxbits = std::max(maxbits, mb);
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j)
+        sums[i][j] = hsum256(_mm256_add_ps(_mm256_add_ps(acc[i][j][0], acc[i][j][2]),
+                                           _mm256_add_ps(acc[i][j][1], acc[i][j][3])));
+  }
+};
+
+// ---- AVX512F: the 32 lanes as two vectors of 16 ----
+
+// 16 int8 / uint8 -> 16 fp32. The zero-masked forms keep all 16 lanes, like the plain ones, without
+// their GCC 12 -Wmaybe-uninitialized false positive.
+POSS_Q_AVX512 inline __m512 i8_to_ps(__m128i q) {
+  return _mm512_maskz_cvtepi32_ps(0xFFFF, _mm512_maskz_cvtepi8_epi32(0xFFFF, q));
+}
+POSS_Q_AVX512 inline __m512 u8_to_ps(__m128i q) {
+  return _mm512_maskz_cvtepi32_ps(0xFFFF, _mm512_maskz_cvtepu8_epi32(0xFFFF, q));
+}
+
+// A block's weights 0..15 (lo) and 16..31 (hi) as fp32.
+template <QFormat F>
+POSS_Q_AVX512 inline void avx512_block(const uint8_t* blk, __m512& lo, __m512& hi) {
+  const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(blk)));
+  if constexpr (F == QFormat::Q8_0) {
+    lo = _mm512_mul_ps(i8_to_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2))), d);
+    hi = _mm512_mul_ps(i8_to_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18))), d);
+  } else {
+    constexpr int off = F == QFormat::Q4_0 ? 2 : 4;
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + off));
+    const __m128i nib = _mm_set1_epi8(15);
+    const __m512 flo = u8_to_ps(_mm_and_si128(q, nib));
+    const __m512 fhi = u8_to_ps(_mm_and_si128(_mm_srli_epi16(q, 4), nib));
+    if constexpr (F == QFormat::Q4_0) {
+      const __m512 eight = _mm512_set1_ps(8.0f);
+      lo = _mm512_mul_ps(_mm512_sub_ps(flo, eight), d);
+      hi = _mm512_mul_ps(_mm512_sub_ps(fhi, eight), d);
+    } else {
+      const __m512 m = _mm512_set1_ps(_cvtsh_ss(load_u16(blk + 2)));
+      lo = _mm512_fmadd_ps(flo, d, m);
+      hi = _mm512_fmadd_ps(fhi, d, m);
+    }
+  }
+}
+
+// 16 lanes as a pairwise tree: l with l ^ 8, l ^ 4, l ^ 2, l ^ 1 (poss::linear's hsum512, whose
+// lower half is hsum256's tree).
+POSS_Q_AVX512 inline float hsum512(__m512 v) {
+  constexpr __mmask16 all = 0xFFFF;
+  v = _mm512_add_ps(v, _mm512_maskz_shuffle_f32x4(all, v, v, _MM_SHUFFLE(1, 0, 3, 2)));
+  v = _mm512_add_ps(v, _mm512_maskz_shuffle_f32x4(all, v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+  v = _mm512_add_ps(v, _mm512_maskz_permute_ps(all, v, _MM_SHUFFLE(1, 0, 3, 2)));
+  v = _mm512_add_ps(v, _mm512_maskz_permute_ps(all, v, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_cvtss_f32(v);
+}
+
+template <QFormat F>
+struct Avx512Kern {
+  // MR x NR x 2 accumulators (at most 24) + a block's two vectors + x and scales in 32 registers.
+  static constexpr int kMaxRows = 6;
+  static constexpr int cols(int rows) { return rows <= 3 ? 4 : rows == 4 ? 3 : 2; }
+
+  template <int MR, int NR>
+  POSS_Q_AVX512 static void micro(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t nb,
+                                  float sums[MR][8], uint32_t& maxbits) {
+    __m512 acc[MR][NR][2];
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) acc[i][j][0] = acc[i][j][1] = _mm512_setzero_ps();
+    uint32_t mb = 0;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + b * 32;
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) {
+        const uint8_t* blk = w + j * row_bytes + b * block_bytes<F>();
+        _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetchBytes, _MM_HINT_NTA);
+        mb = std::max(mb, scale_bits<F>(blk));
+        __m512 lo, hi;
+        avx512_block<F>(blk, lo, hi);
+#pragma GCC unroll 6
+        for (int i = 0; i < MR; ++i) {
+          acc[i][j][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + i * K), lo, acc[i][j][0]);
+          acc[i][j][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + i * K + 16), hi, acc[i][j][1]);
+        }
+      }
+    }
+    maxbits = std::max(maxbits, mb);
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) sums[i][j] = hsum512(_mm512_add_ps(acc[i][j][0], acc[i][j][1]));
+  }
+};
+
+bool cpu_has(const char* kernel) {
+  __builtin_cpu_init();
+  if (std::strcmp(kernel, "avx512") == 0)
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+  if (std::strcmp(kernel, "avx2") == 0)
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  return std::strcmp(kernel, "scalar") == 0;
+}
+
+#else
+
+bool cpu_has(const char* kernel) { return std::strcmp(kernel, "scalar") == 0; }
+
+#endif
+
+// ---- the shared driver ----
+
+template <typename T>
+struct Epilogue {
+  const T* bias;      // [N] or null
+  const T* residual;  // [M, N] or null
+  T* out;             // [M, N]
+  int64_t N;
+
+  void store(int64_t m, int64_t n, float v) const {
+    if (bias) v += static_cast<float>(bias[n]);
+    if (residual) v += static_cast<float>(residual[m * N + n]);
+    out[m * N + n] = static_cast<T>(v);
+  }
+};
+
+struct Pass {
+  const float* x;  // [M, K] fp32
+  int64_t K;
+  const uint8_t* w;  // [N, row_bytes]
+  int64_t row_bytes, nb;
+};
+
+// MR x rows from m0 against weight rows [n0, n1).
+template <typename Kern, int MR, typename T>
+void row_group(const Pass& p, int64_t m0, int64_t n0, int64_t n1, const Epilogue<T>& e, uint32_t& maxbits) {
+  constexpr int NR = Kern::cols(MR);
+  const float* xr = p.x + m0 * p.K;
+  float sums[MR][8];
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) {
+    Kern::template micro<MR, NR>(xr, p.K, p.w + n * p.row_bytes, p.row_bytes, p.nb, sums, maxbits);
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) e.store(m0 + i, n + j, sums[i][j]);
+  }
+  for (; n < n1; ++n) {
+    Kern::template micro<MR, 1>(xr, p.K, p.w + n * p.row_bytes, p.row_bytes, p.nb, sums, maxbits);
+    for (int i = 0; i < MR; ++i) e.store(m0 + i, n, sums[i][0]);
+  }
+}
+
+// The last M % kMaxRows rows, in one pass of the right height.
+template <typename Kern, int MR, typename T>
+void tail_rows(int64_t rows, const Pass& p, int64_t m0, int64_t n0, int64_t n1, const Epilogue<T>& e,
+               uint32_t& maxbits) {
+  if constexpr (MR > 0) {
+    if (rows == MR) return row_group<Kern, MR>(p, m0, n0, n1, e, maxbits);
+    tail_rows<Kern, MR - 1>(rows, p, m0, n0, n1, e, maxbits);
+  }
+}
+
+// x as fp32 rows: itself, or widened into a cache-line-aligned buffer of this thread's.
+template <typename T>
+const float* fp32_rows(const T* x, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    thread_local std::vector<float> buffer;
+    buffer.resize(n + 16);
+    const auto offset = reinterpret_cast<uintptr_t>(buffer.data()) % 64 / sizeof(float);
+    float* widened = buffer.data() + (offset ? 16 - offset : 0);
+    at::vec::convert(x, widened, n);
+    return widened;
+  }
+}
+
+// The first block with a non-finite scale, as an error naming it.
+void fail_on_bad_scale(const at::Tensor& blocks, QFormat f) {
+  const int64_t N = blocks.size(0), bytes = qblock_bytes(f), nb = blocks.size(1) / bytes;
+  const uint8_t* w = blocks.const_data_ptr<uint8_t>();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = w + n * blocks.size(1) + b * bytes;
+      for (int s = 0; s < (f == QFormat::Q4_1 ? 2 : 1); ++s) {
+        const uint16_t h = load_u16(blk + 2 * s);
+        TORCH_CHECK((h & kNonFiniteHalf) != kNonFiniteHalf, "blocks: row ", n, ", block ", b, " has a non-finite ",
+                    s == 0 ? "scale d" : "min m", " (", half_bits_to_float(h), "); a GGUF block's scales are finite");
+      }
+    }
+}
+
+template <template <QFormat> class KernT, QFormat F, typename T>
+void run(const Pass& p, int64_t M, int64_t N, const Epilogue<T>& e, std::atomic<uint32_t>& maxbits) {
+  using Kern = KernT<F>;
+  const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
+  // Threads pay once a call does ~0.1 M multiply-adds; the split never changes a result.
+  const int64_t grain = M * p.K * N >= (1 << 17) ? 1 : blocks;
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    uint32_t mb = 0;
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t n0 = blk * kRowBlock, n1 = std::min(N, n0 + kRowBlock);
+      int64_t m = 0;
+      for (; m + Kern::kMaxRows <= M; m += Kern::kMaxRows) row_group<Kern, Kern::kMaxRows>(p, m, n0, n1, e, mb);
+      tail_rows<Kern, Kern::kMaxRows - 1>(M - m, p, m, n0, n1, e, mb);
+    }
+    uint32_t seen = maxbits.load();
+    while (mb > seen && !maxbits.compare_exchange_weak(seen, mb)) {
+    }
+  });
+}
+
+template <template <QFormat> class KernT, typename T>
+void run_format(QFormat f, const Pass& p, int64_t M, int64_t N, const Epilogue<T>& e,
+                std::atomic<uint32_t>& maxbits) {
+  switch (f) {
+    case QFormat::Q8_0: return run<KernT, QFormat::Q8_0>(p, M, N, e, maxbits);
+    case QFormat::Q4_0: return run<KernT, QFormat::Q4_0>(p, M, N, e, maxbits);
+    case QFormat::Q4_1: return run<KernT, QFormat::Q4_1>(p, M, N, e, maxbits);
+  }
+}
+
+// The kernel in use: POSS_QLINEAR (read once; "avx512", "avx2", "scalar") or the best this CPU has;
+// force_cpu_qlinear_kernel changes it.
+std::string best_kernel() {
+  for (const char* k : {"avx512", "avx2"})
+    if (cpu_has(k)) return k;
+  return "scalar";
+}
+
+std::string& current_kernel() {
+  static std::string kernel = [] {
+    const char* env = std::getenv("POSS_QLINEAR");
+    if (env == nullptr || *env == '\0') return best_kernel();
+    TORCH_CHECK(std::strcmp(env, "avx512") == 0 || std::strcmp(env, "avx2") == 0 || std::strcmp(env, "scalar") == 0,
+                "POSS_QLINEAR must be 'avx512', 'avx2' or 'scalar', got '", env, "'");
+    TORCH_CHECK(cpu_has(env), "POSS_QLINEAR=", env, ": this CPU cannot run that kernel");
+    return std::string(env);
+  }();
+  return kernel;
+}
+
+template <typename T>
+at::Tensor qlinear_typed(const at::Tensor& x, const at::Tensor& blocks, QFormat f,
+                         const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
+  const int64_t K = x.size(-1), N = blocks.size(0);
+  const int64_t M = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = N;
+  auto out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out.view(out_shape);
+  if (K == 0) {  // an empty sum: bias + residual
+    out.zero_();
+    if (bias) out.add_(*bias);
+    if (residual) out.add_(residual->reshape({M, N}));
+    return out.view(out_shape);
+  }
+  const auto x2 = x.reshape({M, K}).contiguous();
+  const auto w = blocks.contiguous();
+  at::Tensor b, r;
+  if (bias) b = bias->contiguous();
+  if (residual) r = residual->reshape({M, N}).contiguous();
+  const Epilogue<T> e{bias ? b.const_data_ptr<T>() : nullptr, residual ? r.const_data_ptr<T>() : nullptr,
+                      out.mutable_data_ptr<T>(), N};
+  const Pass p{fp32_rows(x2.const_data_ptr<T>(), M * K), K, w.const_data_ptr<uint8_t>(), w.size(1), K / kQBlock};
+  std::atomic<uint32_t> maxbits{0};
+  const std::string& kernel = current_kernel();
+#ifdef POSS_QX86
+  if (kernel == "avx512") run_format<Avx512Kern>(f, p, M, N, e, maxbits);
+  else if (kernel == "avx2") run_format<Avx2Kern>(f, p, M, N, e, maxbits);
+  else
+#endif
+    run_format<ScalarKern>(f, p, M, N, e, maxbits);
+  if (maxbits.load() >= kNonFiniteHalf) fail_on_bad_scale(w, f);
+  return out.view(out_shape);
+}
+
+at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& blocks, c10::string_view format,
+                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
+  const QFormat f = parse_qformat(std::string(format));
+  check_qlinear(x, blocks, f, bias, residual);
+  switch (x.scalar_type()) {
+    case at::kFloat: return qlinear_typed<float>(x, blocks, f, bias, residual);
+    case at::kBFloat16: return qlinear_typed<c10::BFloat16>(x, blocks, f, bias, residual);
+    default: return qlinear_typed<c10::Half>(x, blocks, f, bias, residual);
+  }
+}
+
+}  // namespace
+
+const char* cpu_qlinear_kernel() { return current_kernel().c_str(); }
+
+void force_cpu_qlinear_kernel(const std::string& name) {
+  if (name.empty()) {
+    current_kernel() = best_kernel();
+    return;
+  }
+  TORCH_CHECK(name == "avx512" || name == "avx2" || name == "scalar",
+              "kernel must be 'avx512', 'avx2', 'scalar' or '' (the best), got '", name, "'");
+  TORCH_CHECK(cpu_has(name.c_str()), "this CPU cannot run the ", name, " kernel of poss::qlinear");
+  current_kernel() = name;
+}
+
+TORCH_LIBRARY_IMPL(poss, CPU, m) { m.impl("qlinear", &qlinear_cpu); }
+
+}  // namespace poss

@@ -1,0 +1,87 @@
+"""Linear weights kept in GGUF blocks, and the decoder layer that runs them through ``poss_ext.ops.qlinear``.
+
+The fused ``poss::decoder_layer`` op takes float weights; a target with quantized weights runs the
+same sequence of ops here, each projection through :func:`project` (``qlinear`` for blocks, ``linear``
+for the float weights a file stores in other formats). Both ops compute a row the same way however
+many rows share the call, so a tree verify's logits equal a decode step's bit for bit.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+import poss_ext
+from poss_ext.ops import QBLOCK, QFORMAT_BLOCK_BYTES
+
+
+@dataclass
+class QuantWeight:
+    """A weight ``[N, K]`` as GGUF blocks: ``blocks [N, K / 32 * B] uint8`` in ``format`` ("q8_0",
+    "q4_0", "q4_1"; ``B`` its block bytes), as :func:`poss_ext.ops.qlinear` reads them."""
+
+    blocks: Tensor
+    format: str
+
+    def __post_init__(self):
+        if self.format not in QFORMAT_BLOCK_BYTES:
+            raise ValueError(f"format must be one of {', '.join(QFORMAT_BLOCK_BYTES)}, got {self.format!r}")
+        if self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2:
+            raise ValueError(f"blocks must be a 2-D uint8 tensor, got {self.blocks.dtype} {tuple(self.blocks.shape)}")
+        if self.blocks.shape[1] % QFORMAT_BLOCK_BYTES[self.format]:
+            raise ValueError(f"blocks.shape[1] = {self.blocks.shape[1]} is not a whole number of "
+                             f"{self.format} blocks ({QFORMAT_BLOCK_BYTES[self.format]} bytes)")
+
+    @property
+    def shape(self) -> Tuple[int, int]:
+        return self.blocks.shape[0], self.blocks.shape[1] // QFORMAT_BLOCK_BYTES[self.format] * QBLOCK
+
+    def dequantize(self) -> Tensor:
+        """The weights ``[N, K] float32``, exactly as gguf decodes them."""
+        return poss_ext.reference.dequantize(self.blocks, self.format)
+
+    @staticmethod
+    def stack(parts: Sequence[Optional["QuantWeight"]]) -> Optional["QuantWeight"]:
+        """The parts' rows one after another (a fused q|k|v or gate|up weight), or None unless every
+        part is blocks of one format and one K."""
+        if not parts or any(p is None for p in parts):
+            return None
+        if len({p.format for p in parts}) != 1 or len({p.blocks.shape[1] for p in parts}) != 1:
+            return None
+        return QuantWeight(torch.cat([p.blocks for p in parts]).contiguous(), parts[0].format)
+
+
+Weight = Union[Tensor, QuantWeight]
+
+
+def project(x: Tensor, w: Weight, bias: Optional[Tensor] = None, residual: Optional[Tensor] = None) -> Tensor:
+    """``x [..., K] @ w.T + bias + residual`` -> ``[..., N]`` in x's dtype, for float or block weights."""
+    if isinstance(w, QuantWeight):
+        return poss_ext.ops.qlinear(x, w.blocks, w.format, bias, residual)
+    return poss_ext.ops.linear(x, w, bias, residual)
+
+
+def decoder_layer(x: Tensor, p, k_cache: Tensor, v_cache: Tensor, prefix_len: Tensor, parents: Tensor,
+                  positions: Tensor, inv_freq: Tensor, num_heads: int, num_kv_heads: int, eps: float) -> Tensor:
+    """:func:`poss_ext.ops.decoder_layer` with ``p`` a :class:`~poss.models.target.LayerParams` whose
+    projections may be :class:`QuantWeight`: the same ops in the same order (csrc/decoder_layer.cpp).
+
+    ``x [B, T, H]`` -> ``[B, T, H]``; the T new tokens' K/V go to slots ``prefix_len + N - T + t``.
+    """
+    B, T, H = x.shape
+    N = parents.shape[1]
+    D = k_cache.shape[-1]
+    if B * T == 0:
+        return x.new_empty((B, T, H))
+    x2 = x.reshape(B * T, H)
+    a = poss_ext.ops.rms_norm(x2, p.in_norm_w, eps) if p.in_norm_w is not None else x2
+    qkv = project(a, p.w_qkv, p.b_qkv).view(B, T, -1)
+    start = prefix_len if N == T else prefix_len + (N - T)
+    q = poss_ext.ops.rope_qkv(qkv, positions, inv_freq, k_cache, v_cache, start, num_heads, num_kv_heads)
+    attn = poss_ext.ops.tree_attention(q, k_cache, v_cache, prefix_len, parents, 1.0 / math.sqrt(D))
+    attn2 = attn.transpose(1, 2).reshape(B * T, num_heads * D)
+    m_in, h = poss_ext.ops.add_rms_norm(project(attn2, p.w_o), x2, p.post_norm_w, eps)
+    act = poss_ext.ops.swiglu(project(m_in, p.w_gate_up))
+    return project(act, p.w_down, residual=h).view(B, T, H)

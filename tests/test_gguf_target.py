@@ -1,0 +1,148 @@
+"""A target whose linear weights stay GGUF blocks (``dtype="gguf"``): the runner against the float
+runner of the same (dequantised) weights, greedy speculation token-identical to the AR loop on the same
+quantized target, exact sampling (chi-square), and the real SmolLM2 file (slow).
+"""
+
+import pytest
+import torch
+
+from helpers.loop import (
+    eval_prompts,
+    random_draft,
+    single_thread,  # noqa: F401  (autouse: one CPU thread)
+    tiny_target,
+)
+from poss.decode.generator import Generator
+from poss.models.quant_weight import QuantWeight
+from poss.models.target import TargetRunner
+
+gguf_quants = pytest.importorskip("gguf.quants")
+from gguf import GGMLQuantizationType  # noqa: E402
+
+FORMATS = ["q8_0", "q4_0", "q4_1"]
+GGML_TYPE = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
+             "q4_1": GGMLQuantizationType.Q4_1}
+NEW = 64
+
+
+def quantize_in_place(model, fmt):
+    """Quantize every projection and the lm_head of ``model`` with gguf, return the blocks by HF name,
+    and set the model's weights to their dequantised values (as a GGUF file loads in transformers)."""
+    blocks = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("_proj.weight") or name == "lm_head.weight":
+                q = QuantWeight(torch.from_numpy(gguf_quants.quantize(p.float().numpy(), GGML_TYPE[fmt])), fmt)
+                blocks[name] = q
+                p.copy_(q.dequantize())
+    return blocks
+
+
+def generator(model, blocks, dtype, draft):
+    runner = TargetRunner(model, max_batch=1, max_seq=64, dtype=dtype, quantized=blocks)
+    d = random_draft(runner, n=3, ppl=2, aligned=True) if draft else None
+    eos = model.generation_config.eos_token_id
+    return Generator(runner, draft=d, end_ids={eos} if eos is not None else set())
+
+
+@pytest.fixture(scope="module", params=FORMATS)
+def quantized(request):
+    model = tiny_target()
+    return model, quantize_in_place(model, request.param), request.param
+
+
+def test_runner_streams_the_blocks_and_matches_the_dequantised_float_runner(quantized):
+    model, blocks, fmt = quantized
+    q = TargetRunner(model, max_batch=1, max_seq=64, dtype=torch.float32, quantized=blocks)
+    f = TargetRunner(model, max_batch=1, max_seq=64, dtype=torch.float32)
+    assert q.quantized and q.weight_formats() == {fmt: 4 * len(q.layers) + 1}
+    assert q.fingerprint() == f.fingerprint()  # a draft trained on the float target attaches
+    prompt = [eval_prompts(1)[0]]
+    lq, fq = q.prefill(prompt)
+    lf, ff = f.prefill(prompt)
+    # The same weights and ops; only the dot products' summation order differs (fp32 both).
+    torch.testing.assert_close(lq, lf, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fq, ff, rtol=1e-4, atol=1e-4)
+
+
+def test_mixed_formats_stay_float_where_a_fused_weight_mixes_them():
+    """q and k in q4_0, v in q8_0 (as Qwen2.5's file has): the fused q|k|v runs dequantised, the
+    others stay blocks."""
+    model = tiny_target()
+    blocks = quantize_in_place(model, "q4_0")
+    v = "model.layers.0.self_attn.v_proj.weight"
+    blocks[v] = QuantWeight(torch.from_numpy(gguf_quants.quantize(blocks[v].dequantize().numpy(),
+                                                                  GGML_TYPE["q8_0"])), "q8_0")
+    runner = TargetRunner(model, max_batch=1, max_seq=64, dtype=torch.bfloat16, quantized=blocks)
+    assert isinstance(runner.layers[0].w_o, QuantWeight) and not isinstance(runner.layers[0].w_qkv, QuantWeight)
+    assert isinstance(runner.layers[1].w_qkv, QuantWeight)
+    assert runner.weight_formats() == {"q4_0": 4 * len(runner.layers), "bfloat16": 1}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_speculation_is_identical_to_the_ar_loop_on_the_quantized_target(quantized, dtype):
+    model, blocks, fmt = quantized
+    prompts = eval_prompts(n_per_set=2)
+    want = generator(model, blocks, dtype, draft=False).generate(prompts, NEW).token_ids
+    res = generator(model, blocks, dtype, draft=True).generate(prompts, NEW)
+    for i, (g, w) in enumerate(zip(res.token_ids, want)):
+        assert g == w, f"{fmt} {dtype}: prompt {i} parts at token {next(k for k in range(len(g)) if g[k] != w[k])}"
+    # multi-token paths were really verified
+    assert max(k for s in res.stats for k, c in enumerate(s.accept_hist) if c) >= 2
+
+
+def test_sampling_follows_the_quantized_target():
+    """The chi-square test of tests/test_loop_sampling.py on a q4_1 target: the first three sampled
+    tokens of speculation follow the distribution of the model the blocks decode to."""
+    from test_loop_sampling import V, chi2_pvalue, exact_distribution, sample
+
+    model = tiny_target(vocab=V, seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6.0)
+    blocks = quantize_in_place(model, "q4_1")
+    probs = exact_distribution(model)
+    runner = TargetRunner(model, max_batch=1, max_seq=64, dtype=torch.float32, quantized=blocks)
+    gen = Generator(runner, draft=random_draft(runner, n=3, ppl=1, aligned=True))
+    counts, accepted = sample(gen, calls=40, depth=3, num_nodes=12, beam_width=4)
+    assert counts[probs == 0].sum() == 0
+    assert chi2_pvalue(counts, probs) > 1e-3
+    assert 0 < accepted < 2 * counts.sum()
+
+
+def test_gguf_dtype_needs_a_gguf_file_and_the_cpu(tmp_path):
+    from poss.decode.loader import gguf_blocks
+
+    with pytest.raises(ValueError, match="needs a GGUF target"):
+        gguf_blocks(tmp_path, "cpu")
+    with pytest.raises(ValueError, match="CPU only"):
+        gguf_blocks("smollm2-135m", "cuda")
+
+
+@pytest.mark.slow
+def test_real_smollm2_blocks_are_the_dequantised_weights_and_speculation_is_lossless():
+    """The shipped Q4_1 file: every block read (q/k rows unpermuted) decodes to the weight transformers
+    loaded, bit for bit; greedy speculation with the shipped draft on the blocks equals our AR loop on them."""
+    import poss
+    from poss.decode.params import TreeParams
+    from poss.models.gguf_weights import read_gguf_linears
+    from poss.models.registry import fetch_gguf, load_model
+
+    _, model = load_model("smollm2-135m")
+    cfg = model.config
+    linears = read_gguf_linears(fetch_gguf("smollm2-135m"), cfg.num_attention_heads, cfg.num_key_value_heads)
+    assert linears.dequantised() == {}
+    assert {linears.types[k] for k in linears.types} == {"Q4_1", "Q8_0"}  # lm_head: the tied Q8_0 token_embd
+    params = dict(model.named_parameters())
+    for name, q in linears.blocks.items():
+        want = params.get(name, params["model.embed_tokens.weight"])
+        assert torch.equal(q.dequantize(), want), name
+    spec = poss.load("smollm2-135m", draft=poss.shipped_draft("smollm2-135m"), dtype="gguf",
+                     tree=TreeParams(num_nodes=16, depth=4), speculate_max_batch=None)
+    ar = poss.load("smollm2-135m", dtype="gguf")
+    assert ar.runner.weight_formats() == {"q4_1": 4 * cfg.num_hidden_layers, "q8_0": 1}
+    from poss.data import load_eval_set
+
+    texts = [load_eval_set(name)[1]["turns"][0] for name in ("gsm8k", "humaneval", "qa", "mt_bench")]
+    prompts = [spec.encode(t) for t in texts]
+    got, want = spec.generate(prompts, 48).token_ids, ar.generate(prompts, 48).token_ids
+    assert got == want
