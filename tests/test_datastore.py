@@ -10,12 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers.loop import eval_prompts, hf_greedy, make_generator, single_thread, tiny_target  # noqa: F401
+from helpers.sampling import PROMPT, V, chi2_pvalue, exact_distribution, sample
 from poss.decode.datastore import SEPARATOR, Datastore, shipped_datastore_path
 from poss.decode.draft_tree import Tree
 from poss.decode.loader import load_datastore
 from poss.decode.lookup import add_lookup
 from poss.decode.params import TreeParams
-from test_loop_sampling import PROMPT, V, chi2_pvalue, exact_distribution, sample
 
 
 def reference(docs, context, k, min_ngram=2, max_ngram=6):

@@ -202,7 +202,7 @@ def test_import_writes_poss_format_with_a_model_card(runner, tmp_path):
 
 def test_chi_square_sampling_with_an_imported_draft(tmp_path):
     """The sampling-exactness test of tests/test_loop_sampling.py, on a PosS reference checkpoint."""
-    from test_loop_sampling import V, chi2_pvalue, exact_distribution, sample
+    from helpers.sampling import V, chi2_pvalue, exact_distribution, sample
 
     m = tiny_target(vocab=V, seed=3)
     with torch.no_grad():
