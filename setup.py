@@ -58,7 +58,7 @@ def link_flags() -> list:
 
     Why: on a lent H200 image (Ubuntu's Python 3.12, the image's own GCC) the built library held its
     own copy of libstdc++'s ``ostream::_M_insert<long>``; bound to it, the first error message that
-    formats an integer segfaulted (tests/test_linear.py, bad arguments on CUDA). Without the local
+    formats an integer segfaulted (tests/ops/test_linear.py, bad arguments on CUDA). Without the local
     binding that call resolves to the libstdc++ that torch loaded, like every other library's.
     """
     flags = ["-fopenmp"]

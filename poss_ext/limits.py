@@ -1,6 +1,6 @@
 """The limits and sentinel values of the poss ops, for every Python caller.
 
-The C++ kernels read the same values from ``csrc/include/poss/limits.h``; tests/test_op_limits.py
+The C++ kernels read the same values from ``csrc/include/poss/limits.h``; tests/ops/test_op_limits.py
 checks that the two agree. ``poss_ext.reference`` keeps its own copy on purpose: it is the oracle the
 kernels are tested against and shares nothing with them.
 """

@@ -17,8 +17,9 @@ start=$SECONDS
 stamp() { echo "== [$((SECONDS - start)) s] $*"; }
 # The files that hold tests marked `cuda` (collecting the whole suite would import the serving stack,
 # whose packages a bare GPU image may lack).
-cuda_tests="tests/test_linear.py tests/test_tree_attention.py tests/test_layer_ops.py tests/test_kv_compact.py
-  tests/test_build_tree.py tests/test_tree_verify.py tests/test_triton_attention.py tests/test_loop_devices.py"
+cuda_tests="tests/ops/test_linear.py tests/ops/test_tree_attention.py tests/ops/test_layer_ops.py
+  tests/ops/test_kv_compact.py tests/ops/test_build_tree.py tests/ops/test_tree_verify.py
+  tests/ops/test_triton_attention.py tests/decode/test_loop_devices.py"
 per_test=""
 python3 -c "import pytest_timeout" 2>/dev/null && per_test="--timeout=120"
 
@@ -73,8 +74,8 @@ grep -E "^(decode step|60/6 round|ratios|total|Traceback|[A-Za-z]*Error)|skippin
 { echo "=== compiled"; cat "$out/one.log"; } >>"$out/e2e.log" && rm "$out/one.log"
 if command -v compute-sanitizer >/dev/null; then
   stamp "compute-sanitizer memcheck: the CUDA op tests of tree_verify, tree_attention and kv_compact"
-  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest tests/test_tree_verify.py \
-    tests/test_tree_attention.py tests/test_kv_compact.py -q -p no:cacheprovider -m cuda -x >"$out/memcheck.log" 2>&1
+  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest tests/ops/test_tree_verify.py \
+    tests/ops/test_tree_attention.py tests/ops/test_kv_compact.py -q -p no:cacheprovider -m cuda -x >"$out/memcheck.log" 2>&1
   echo "memcheck exit $? (9: errors found; 124: time limit)"
   grep -E "ERROR SUMMARY|Invalid|passed|failed" "$out/memcheck.log" | tail -8
   { echo "=== compute-sanitizer memcheck"; cat "$out/memcheck.log"; } >>"$out/tests.log" && rm "$out/memcheck.log"

@@ -47,7 +47,7 @@ sys.exit(0 if f.startswith('$pkg/') else 'sanitize_check: imported the wrong pos
 
 # The op tests (kernels against the references, bad input) and the malformed-input fuzz tests.
 "$python" -P -m pytest -q -p no:cacheprovider \
-  tests/test_tree_verify.py tests/test_tree_verify_errors.py tests/test_sampling_exact.py \
-  tests/test_build_tree.py tests/test_tree_attention.py tests/test_kv_compact.py \
-  tests/test_layer_ops.py tests/test_linear.py "$@"
+  tests/ops/test_tree_verify.py tests/ops/test_tree_verify_errors.py tests/ops/test_sampling_exact.py \
+  tests/ops/test_build_tree.py tests/ops/test_tree_attention.py tests/ops/test_kv_compact.py \
+  tests/ops/test_layer_ops.py tests/ops/test_linear.py "$@"
 echo "sanitize_check: clean"

@@ -1,4 +1,4 @@
-"""Cases of the Triton tree_attention kernel, run in a child process (see tests/test_triton_attention.py).
+"""Cases of the Triton tree_attention kernel, run in a child process (see tests/ops/test_triton_attention.py).
 
     TRITON_INTERPRET=1 python tests/helpers/triton_attention_cases.py [NAME ...]   # CPU, interpreted
     python tests/helpers/triton_attention_cases.py --compile                        # sm_80 / sm_90 builds

@@ -1,5 +1,5 @@
 // The limits and sentinel values of the poss ops, in one place. poss_ext/limits.py holds the same
-// values for Python (tests/test_op_limits.py reads this file and checks that they agree), so a
+// values for Python (tests/ops/test_op_limits.py reads this file and checks that they agree), so a
 // change here is a change there.
 #pragma once
 

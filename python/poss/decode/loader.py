@@ -147,7 +147,7 @@ def compile_steps(gen: Generator) -> Generator:
     CPU (they stay extern calls, through their fake kernels) and Triton kernels plus CUDA graphs
     (``mode="reduce-overhead"``) on a GPU. Shapes are left to Dynamo's automatic dynamic marking (a
     dimension that changes becomes symbolic at its first recompile): with ``dynamic=True`` the second
-    and later prompts diverged from eager decoding at their second token (tests/test_loop_greedy.py
+    and later prompts diverged from eager decoding at their second token (tests/decode/test_loop_greedy.py
     ``test_compiled_steps_stay_lossless`` catches it), with the automatic marking they match. The
     first calls compile (about a minute on a small CPU).
     """

@@ -4,7 +4,7 @@ set's token ids with its data card into ``data/``.
 A released draft folder holds ``config.json``, ``model.safetensors`` and ``README.md``
 (:func:`poss.train.draft_card.model_card`). A released data folder holds ``records.jsonl.xz`` (the
 records in key order, without features), ``meta.json`` (the recipe and the measured throughput) and
-``README.md``, whose table rows carry every count that ``tests/test_shipped_data.py`` checks against
+``README.md``, whose table rows carry every count that ``tests/repo/test_shipped_data.py`` checks against
 the file (sha256, split sizes, answer and prompt tokens, truncations).
 """
 

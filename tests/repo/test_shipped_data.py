@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-SETS = sorted((Path(__file__).resolve().parents[1] / "data").glob("distill-*"))
+SETS = sorted((Path(__file__).resolve().parents[2] / "data").glob("distill-*"))
 VOCAB = 49152
 
 

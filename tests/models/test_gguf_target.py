@@ -92,9 +92,9 @@ def test_greedy_speculation_is_identical_to_the_ar_loop_on_the_quantized_target(
 
 
 def test_sampling_follows_the_quantized_target():
-    """The chi-square test of tests/test_loop_sampling.py on a q4_1 target: the first three sampled
+    """The chi-square test of tests/decode/test_loop_sampling.py on a q4_1 target: the first three sampled
     tokens of speculation follow the distribution of the model the blocks decode to."""
-    from test_loop_sampling import V, chi2_pvalue, exact_distribution, sample
+    from helpers.sampling import V, chi2_pvalue, exact_distribution, sample
 
     model = tiny_target(vocab=V, seed=3)
     with torch.no_grad():

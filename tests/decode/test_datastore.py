@@ -10,12 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers.loop import eval_prompts, hf_greedy, make_generator, single_thread, tiny_target  # noqa: F401
+from helpers.sampling import PROMPT, V, chi2_pvalue, exact_distribution, sample
 from poss.decode.datastore import SEPARATOR, Datastore, shipped_datastore_path
 from poss.decode.draft_tree import Tree
 from poss.decode.loader import load_datastore
 from poss.decode.lookup import add_lookup
 from poss.decode.params import TreeParams
-from test_loop_sampling import PROMPT, V, chi2_pvalue, exact_distribution, sample
 
 
 def reference(docs, context, k, min_ngram=2, max_ngram=6):
@@ -122,10 +122,10 @@ def test_the_shipped_datastore_is_the_shipped_training_answers():
     path = shipped_datastore_path("smollm2-135m")
     assert path is not None, "python/poss/data/datastores/smollm2-135m.npz is missing"
     store = Datastore.load(path)
-    drafts = Path(__file__).resolve().parents[1] / "drafts"
+    drafts = Path(__file__).resolve().parents[2] / "drafts"
     fingerprints = {json.loads(c.read_text())["target_fingerprint"] for c in drafts.glob("*/config.json")}
     assert fingerprints == {store.meta["target_fingerprint"]}
-    data = Path(__file__).resolve().parents[1] / "data"
+    data = Path(__file__).resolve().parents[2] / "data"
     longest = {}
     for name in store.meta["source"]:
         with lzma.open(data / name / "records.jsonl.xz", "rt") as f:

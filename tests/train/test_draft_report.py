@@ -5,8 +5,8 @@ import json
 
 import pytest
 
+from helpers.fake_drafts import fake_config, fake_val, write_draft
 from helpers.scripts import load_script
-from test_release import fake_config, fake_val, write_draft
 
 
 @pytest.fixture(scope="module")

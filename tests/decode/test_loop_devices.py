@@ -12,7 +12,7 @@ import torch
 
 from helpers.devices import devices
 from helpers.loop import eval_prompts, hf_greedy, make_generator, single_thread, tiny_target  # noqa: F401
-from test_loop_sampling import V, chi2_pvalue, exact_distribution, sample
+from helpers.sampling import V, chi2_pvalue, exact_distribution, sample
 
 NEW = 64
 

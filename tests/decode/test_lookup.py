@@ -8,10 +8,10 @@ from hypothesis import strategies as st
 
 import poss_ext
 from helpers.loop import eval_prompts, hf_greedy, make_generator, single_thread, tiny_target  # noqa: F401
+from helpers.sampling import V, chi2_pvalue, exact_distribution, sample
 from poss.decode.draft_tree import Tree
 from poss.decode.lookup import add_lookup, continuation
 from poss.decode.params import TreeParams
-from test_loop_sampling import V, chi2_pvalue, exact_distribution, sample
 
 
 def continuation_reference(ctx, k, max_ngram=3):

@@ -8,7 +8,7 @@ import pytest
 
 from helpers.child_env import child_env
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.mark.parametrize("args", [

@@ -20,7 +20,7 @@ from poss.train.data import collate
 from poss.train.features import CachedFeatures, FeatureCache, OnlineFeatures
 from poss.train.validate import evaluate
 
-HERE = Path(__file__).resolve().parent
+TRAIN_TINY = Path(__file__).resolve().parents[1] / "helpers" / "train_tiny.py"
 
 
 def test_training_reduces_the_loss(tmp_path):
@@ -117,7 +117,7 @@ def test_kill_and_resume_loses_at_most_one_interval_and_matches_an_uninterrupted
     ref = make_trainer(tmp_path / "ref", n_train=8, batch_size=2, epochs=2)
     ref.fit()
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, str(HERE / "helpers" / "train_tiny.py"), str(out),
+    proc = subprocess.Popen([sys.executable, str(TRAIN_TINY), str(out),
                              "--ckpt-minutes", "0", "--slow", "0.4"],
                             env=child_env(), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 120

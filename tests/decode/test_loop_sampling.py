@@ -6,11 +6,8 @@ samples from our loop (PosS draft with 3 specialists, and the plain AR loop) are
 chi-square test.
 """
 
-import itertools
-
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from helpers.loop import (
     hf_greedy,
@@ -18,31 +15,7 @@ from helpers.loop import (
     single_thread,  # noqa: F401  (autouse: one CPU thread)
     tiny_target,
 )
-
-V, T, TOP_P = 16, 0.7, 0.9
-PROMPT = [3, 9, 4, 1, 12, 7, 7, 5]
-
-
-def processed(logits: torch.Tensor) -> torch.Tensor:
-    """softmax(logits / T) restricted to the smallest top set whose mass reaches TOP_P, renormalised."""
-    p = torch.softmax(logits.double() / T, -1)
-    sorted_p, order = p.sort(descending=True)
-    mass_before = sorted_p.cumsum(-1) - sorted_p
-    keep = torch.zeros_like(p, dtype=torch.bool).scatter(-1, order, mass_before < TOP_P)
-    p = torch.where(keep, p, torch.zeros_like(p))
-    return p / p.sum(-1, keepdim=True)
-
-
-def exact_distribution(model) -> torch.Tensor:
-    """``[V, V, V]`` probability of each first-3-token continuation."""
-    seqs = torch.tensor([PROMPT + list(c) for c in itertools.product(range(V), repeat=2)])
-    with torch.no_grad():
-        logits = model(seqs).logits.float()
-    P = len(PROMPT)
-    p1 = processed(logits[0, P - 1])  # [V]
-    p2 = processed(logits[::V, P].view(V, V)[:, :])  # row x1: p(x2 | x1)
-    p3 = processed(logits[:, P + 1]).view(V, V, V)  # [x1, x2, x3]
-    return p1.view(V, 1, 1) * p2.view(V, V, 1) * p3
+from helpers.sampling import PROMPT, TOP_P, T, V, chi2_pvalue, exact_distribution, sample
 
 
 @pytest.fixture(scope="module")
@@ -51,31 +24,6 @@ def model():
     with torch.no_grad():  # sharper than the random init: ~100 continuations carry the mass
         m.lm_head.weight.mul_(6.0)
     return m
-
-
-def sample(gen, calls, batch=64, **kw):
-    gen.end_ids = set()
-    counts = torch.zeros(V, V, V)
-    accepted = 0
-    for call in range(calls):
-        # One seed per request: requests that share a prompt and a seed sample alike.
-        seeds = [call * batch + i for i in range(batch)]
-        res = gen.generate([PROMPT] * batch, 3, temperature=T, top_p=TOP_P, seed=seeds, **kw)
-        for ids, s in zip(res.token_ids, res.stats):
-            counts[tuple(ids)] += 1
-            accepted += sum(k * c for k, c in enumerate(s.accept_hist))
-    return counts, accepted
-
-
-def chi2_pvalue(counts, probs):
-    n = counts.sum()
-    expected = (probs * n).flatten()
-    obs = counts.flatten().double()
-    big = expected >= 5
-    assert probs.flatten()[~big].sum() < 0.2, "too much mass in pooled cells for a meaningful test"
-    f_obs = torch.cat([obs[big], obs[~big].sum().view(1)])
-    f_exp = torch.cat([expected[big], expected[~big].sum().view(1)])
-    return chisquare(f_obs.numpy(), f_exp.numpy()).pvalue
 
 
 @pytest.mark.parametrize("draft,draft_vocab", [(True, 0), (True, 8), (False, 0)],

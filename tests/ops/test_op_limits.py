@@ -12,7 +12,7 @@ import torch
 import poss_ext
 from poss_ext import limits, reference
 
-ROOT_DIR = Path(__file__).resolve().parents[1]
+ROOT_DIR = Path(__file__).resolve().parents[2]
 HEADER = ROOT_DIR / "csrc" / "include" / "poss" / "limits.h"
 # limits.h name -> poss_ext.limits name
 SCALARS = {"kRootParent": "ROOT", "kPadParent": "PAD", "kEmptyCandidate": "EMPTY_CANDIDATE",

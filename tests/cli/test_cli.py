@@ -12,7 +12,7 @@ import pytest
 from poss.cli import main
 from poss.cli.args import registry_names
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

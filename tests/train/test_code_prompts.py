@@ -94,7 +94,7 @@ def test_shipped_coder_data_holds_no_eval_problem():
 
     from poss.train.data import load_sharegpt
 
-    path = Path(__file__).resolve().parents[1] / "data" / "distill-qwen2.5-coder-0.5b" / "records.jsonl.xz"
+    path = Path(__file__).resolve().parents[2] / "data" / "distill-qwen2.5-coder-0.5b" / "records.jsonl.xz"
     if not path.exists():
         pytest.skip("no shipped coder data")
     convs = load_sharegpt().messages

@@ -29,7 +29,7 @@ from poss.models.published import TOKEN_MAP_FILE, layout_of, read_published
 from poss.models.target import TargetRunner, chain_parents
 from poss.testing import eval_prompts, random_draft, tiny_target
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FILE_FORMATS = ["safetensors", "bin", "sharded-safetensors", "sharded-bin"]
 TREE = TreeParams(num_nodes=12, depth=4, beam_width=4)
 
@@ -201,8 +201,8 @@ def test_import_writes_poss_format_with_a_model_card(runner, tmp_path):
 
 
 def test_chi_square_sampling_with_an_imported_draft(tmp_path):
-    """The sampling-exactness test of tests/test_loop_sampling.py, on a PosS reference checkpoint."""
-    from test_loop_sampling import V, chi2_pvalue, exact_distribution, sample
+    """The sampling-exactness test of tests/decode/test_loop_sampling.py, on a PosS reference checkpoint."""
+    from helpers.sampling import V, chi2_pvalue, exact_distribution, sample
 
     m = tiny_target(vocab=V, seed=3)
     with torch.no_grad():

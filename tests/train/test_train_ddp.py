@@ -11,7 +11,7 @@ import torch
 from helpers.child_env import child_env
 from helpers.train_tiny import make_trainer
 
-HERE = Path(__file__).resolve().parent
+TRAIN_TINY = Path(__file__).resolve().parents[1] / "helpers" / "train_tiny.py"
 
 
 def _free_port():
@@ -24,7 +24,7 @@ def _free_port():
 def test_two_process_gradients_are_averaged(tmp_path):
     env = child_env(OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(HERE / "helpers" / "train_tiny.py"), str(tmp_path), "--grad-dump"]
+           "--master_port", str(_free_port()), str(TRAIN_TINY), str(tmp_path), "--grad-dump"]
     done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # A path segment that starts a path (not the tail of a relative one like python/poss/data/...).
 MACHINE_PATH = re.compile(
