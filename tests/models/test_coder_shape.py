@@ -16,23 +16,47 @@ PROMPT = [3, 9, 4, 1, 12, 7, 7, 5]
 
 @pytest.fixture(scope="module")
 def coder():
-    m = tiny_model("qwen2", seed=5, vocab_size=V, hidden_size=64, intermediate_size=128, rope_theta=1e6,
-                   tie_word_embeddings=False, num_attention_heads=4, num_key_value_heads=2,
+    # head dim 64 (2 heads of a 128-wide model): the smallest the tree-attention kernels take
+    m = tiny_model("qwen2", seed=5, vocab_size=V, hidden_size=128, intermediate_size=256, rope_theta=1e6,
+                   tie_word_embeddings=False, num_attention_heads=2, num_key_value_heads=1,
                    max_position_embeddings=512)
     assert not m.config.tie_word_embeddings and m.model.layers[0].self_attn.q_proj.bias is not None
-    with torch.no_grad():  # sharp enough that a handful of tokens carry the top-p mass
-        m.lm_head.weight.mul_(40.0)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(40.0)  # sharp enough that a handful of tokens carry the top-p mass
+        for name, p in m.named_parameters():  # layers that add little: an "aligned" random draft agrees often
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.mul_(0.01)
     m.generation_config.eos_token_id = None
     return m
+
+
+def bigram_generator(model, **draft_kw):
+    """A generator whose random draft predicts exactly the target's embedding bigram map: with 151,936
+    tokens and a sharp head the loosely aligned draft of ``random_draft`` is never accepted."""
+    gen = make_generator(model, draft=True, aligned=True, **draft_kw)
+    d, H = gen.draft, gen.draft.config.hidden
+    with torch.no_grad():
+        for j in range(d.config.n_specialists):
+            fc = d.fc_for(j)
+            fc.weight.zero_()
+            fc.weight[:, :H] = torch.diag(gen.runner.final_norm_w.float()).to(fc.weight.dtype)
+            d.layers[j].o_proj.weight.zero_()
+            d.layers[j].down_proj.weight.zero_()
+    return gen
 
 
 def test_greedy_speculation_matches_hf(coder):
     prompts = eval_prompts(n_per_set=1, max_len=24, vocab=V)
     want = [hf_greedy(coder, p, 24) for p in prompts]
     for kw in ({"n": 3, "ppl": 2}, {"n": 2, "schedule": [1, 5], "fc_per_specialist": True}):
-        gen = make_generator(coder, draft=True, aligned=True, **kw)
-        got = [gen.generate([p], 24).token_ids[0] for p in prompts]
+        gen = bigram_generator(coder, **kw)
+        got, stats = [], []
+        for p in prompts:
+            res = gen.generate([p], 24, depth=3, num_nodes=12, beam_width=4)
+            got.append(res.token_ids[0])
+            stats.append(res.stats[0])
         assert got == want, kw
+        assert max(k for s in stats for k, c in enumerate(s.accept_hist) if c) >= 2  # long paths were accepted
 
 
 def processed(logits: torch.Tensor) -> torch.Tensor:
@@ -76,7 +100,7 @@ def chi2_pvalue(counts, probs):
     return chisquare(obs, exp).pvalue
 
 
-def sample(gen, temperature, calls=30, batch=64):
+def sample(gen, temperature, calls=12, batch=64):
     counts, accepted = {}, 0
     for seed in range(calls):
         res = gen.generate([PROMPT] * batch, 3, temperature=temperature, top_p=TOP_P, depth=3, num_nodes=12,
@@ -87,9 +111,10 @@ def sample(gen, temperature, calls=30, batch=64):
     return counts, accepted
 
 
+@pytest.mark.slow  # a 151,936-token top-p per tree node: about 2 minutes on one core
 def test_sampling_follows_the_target_and_the_test_has_power(coder):
     probs = exact_distribution(coder)
-    gen = make_generator(coder, draft=True, n=2, schedule=[1, 5], fc_per_specialist=True, aligned=True)
+    gen = bigram_generator(coder, n=2, schedule=[1, 5], fc_per_specialist=True)
     counts, accepted = sample(gen, T)
     assert all(c in probs for c in counts), "sampled a continuation the target cannot produce"
     assert chi2_pvalue(counts, probs) > 1e-3

@@ -72,6 +72,10 @@ def test_poss_init_from_eagle_copies_the_layer(tmp_path):
     assert rec["path"] == str(tmp_path / "e" / "draft") and rec["method"] == "EAGLE-2" and "training" not in rec
     assert rec["fingerprint"] == file_digest(tmp_path / "e" / "draft" / "model.safetensors")
     assert rec["tokens_total"] == e_cfg["training"]["tokens"] > 0
+    torch.testing.assert_close(tp.draft.fc.weight, eagle.fc.weight, rtol=0, atol=0)
+    for layer in tp.draft.layers:
+        for (n, a), (_, b) in zip(layer.state_dict().items(), eagle.layers[0].state_dict().items()):
+            assert torch.equal(a, b), n
     # A third round records the second's total, not its record: the lineage stays one level deep.
     tp.fit()
     t3 = make_trainer(tmp_path / "q", method="poss", steps=6, ppl=2, init_from=str(tmp_path / "p" / "draft"))
@@ -79,10 +83,12 @@ def test_poss_init_from_eagle_copies_the_layer(tmp_path):
     p_cfg = json.loads((tmp_path / "p" / "draft" / "config.json").read_text())
     assert rec3["tokens_total"] == p_cfg["training"]["tokens"] + e_cfg["training"]["tokens"]
     assert all(not isinstance(v, dict) for v in rec3.values())
-    torch.testing.assert_close(tp.draft.fc.weight, eagle.fc.weight, rtol=0, atol=0)
-    for layer in tp.draft.layers:
-        for (n, a), (_, b) in zip(layer.state_dict().items(), eagle.layers[0].state_dict().items()):
-            assert torch.equal(a, b), n
+    # ... and continues every specialist of a draft of the same layout, not specialist 0 copied thrice.
+    trained = PosSDraft.load(tmp_path / "p" / "draft")
+    assert not torch.equal(trained.layers[1].o_proj.weight, trained.layers[0].o_proj.weight)  # they diverged
+    for j in range(3):
+        for (n, a), (_, b) in zip(t3.draft.layers[j].state_dict().items(), trained.layers[j].state_dict().items()):
+            assert torch.equal(a, b), (j, n)
 
 
 def test_feature_cache_matches_online_and_is_reused(tmp_path):

@@ -279,6 +279,14 @@ DTYPES = {
 }
 
 
+def add_datastore(p) -> None:
+    p.add_argument("--datastore", type=datastore_arg, default="auto", help=DATASTORE_HELP)
+
+
+def add_draft_vocab(p, extra_help: str = "") -> None:
+    p.add_argument("--draft-vocab", choices=draft_vocabs(), default="trained", help=DRAFT_VOCAB_HELP + extra_help)
+
+
 def add_target(p, default: Optional[str] = DEFAULT_TARGET, required: bool = False, what: str = "") -> None:
     p.add_argument("--target", default=None if required else default, required=required,
                    help=what + target_help())
@@ -352,10 +360,10 @@ def add_tree(p, auto: bool = True, vocab_help: str = ""):
     add_beam_width(t)
     if auto:
         t.add_argument("--lookup", type=int_or_auto(0), default="auto", help=LOOKUP_HELP)
-        t.add_argument("--datastore", type=datastore_arg, default="auto", help=DATASTORE_HELP)
+        add_datastore(t)
     else:
         t.add_argument("--lookup", type=int_at_least(0), default=0, help=LOOKUP_HELP_FIXED)
-    t.add_argument("--draft-vocab", choices=draft_vocabs(), default="trained", help=DRAFT_VOCAB_HELP + vocab_help)
+    add_draft_vocab(t, vocab_help)
     if auto:
         t.add_argument("--retune", action="store_true", help=RETUNE_HELP)
     return t

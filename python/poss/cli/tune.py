@@ -8,16 +8,14 @@ class and dtype. On a busy machine the timings would mislead, so ``tune`` refuse
 import sys
 
 from poss.cli.args import (
-    DATASTORE_HELP,
-    DRAFT_VOCAB_HELP,
     Formatter,
+    add_datastore,
     add_draft,
+    add_draft_vocab,
     add_dtype,
     add_target,
     add_threads,
     check_model,
-    datastore_arg,
-    draft_vocabs,
     float_in,
     int_at_least,
 )
@@ -30,8 +28,8 @@ def add_parser(sub):
     add_draft(p)
     add_dtype(p, "run")
     add_threads(p)
-    p.add_argument("--datastore", type=datastore_arg, default="auto", help=DATASTORE_HELP)
-    p.add_argument("--draft-vocab", choices=draft_vocabs(), default="trained", help=DRAFT_VOCAB_HELP)
+    add_datastore(p)
+    add_draft_vocab(p)
     p.add_argument("--budget", type=float_in(1), default=60.0, help="seconds to spend at most, about")
     p.add_argument("--max-batch", type=int_at_least(1), default=None,
                    help="also time where speculation stops paying, up to this batch (poss serve's --max-batch)")
