@@ -90,10 +90,39 @@ def own_load() -> float:
     return (usage.ru_utime + usage.ru_stime) / max(age, 60.0)
 
 
+def others_busy_now(window_s: float = 0.2) -> Optional[float]:
+    """Cores that other processes kept busy over the next ``window_s`` seconds: the busy share of all
+    CPUs in ``/proc/stat`` less this process's own CPU time, times the CPU count. None without /proc."""
+    def sample():
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        with open("/proc/self/stat") as f:
+            own = f.read().rsplit(")", 1)[1].split()
+        return sum(fields), fields[3] + (fields[4] if len(fields) > 4 else 0), int(own[11]) + int(own[12])
+
+    try:
+        total0, idle0, own0 = sample()
+        time.sleep(window_s)
+        total1, idle1, own1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    total = total1 - total0
+    if total <= 0:
+        return None
+    busy = (total - (idle1 - idle0)) - (own1 - own0)
+    return max(0.0, busy / total * (os.cpu_count() or 1))
+
+
 def others_load() -> float:
-    """The load average less this process's own share (0 where the OS has no load average)."""
+    """Cores other work keeps busy: the smaller of the 1-minute load average less this process's own
+    share and what ``/proc/stat`` shows over the next 0.2 s. The average lags: a job that ended seconds
+    ago (the previous `poss generate`) still counts in it for a minute, and then 1 thread ran where 2
+    were free. 0 where the OS says neither."""
     load = load_average()
-    return 0.0 if load is None else max(0.0, load - own_load())
+    average = None if load is None else max(0.0, load - own_load())
+    now = others_busy_now()
+    known = [x for x in (average, now) if x is not None]
+    return min(known) if known else 0.0
 
 
 def default_threads() -> int:

@@ -231,3 +231,28 @@ def test_the_tune_command(monkeypatch, capsys):
     busy(monkeypatch, 2, 1.9)  # refused before the model loads
     seen.clear()
     assert cli.run(args) == 1 and "busy" in capsys.readouterr().err and not seen
+
+
+def test_others_busy_now_sees_another_process_but_not_this_one():
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    if hardware.others_busy_now(0.05) is None:
+        pytest.skip("no /proc/stat here")
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 3: pass"])
+    try:
+        time.sleep(0.3)
+        assert hardware.others_busy_now(0.5) >= 0.6  # one core spinning in another process
+    finally:
+        spin.kill()
+        spin.wait()
+    stop = time.monotonic() + 0.8
+    own = threading.Thread(target=lambda: [None for _ in iter(lambda: time.monotonic() > stop, True)])
+    own.start()
+    try:
+        busy_own = hardware.others_busy_now(0.5)  # this process's own spinning thread is not "others"
+    finally:
+        own.join()
+    assert busy_own < 0.6 + hardware.others_busy_now(0.3)

@@ -1,6 +1,6 @@
 """The on-policy training data shipped in data/distill-*/ is what each data card says:
 the file's sha256 (compressed and not), the split sizes, the answer-token counts, the truncation
-flags, and well-formed records (unique keys, token ids inside SmolLM2's 49,152-token vocabulary)."""
+flags, and well-formed records (unique keys, token ids inside the target's vocabulary)."""
 
 import hashlib
 import json
@@ -11,7 +11,11 @@ from pathlib import Path
 import pytest
 
 SETS = sorted((Path(__file__).resolve().parents[2] / "data").glob("distill-*"))
-VOCAB = 49152
+VOCABS = {"distill-smollm2-135m": 49152, "distill-qwen2.5-coder-0.5b": 151936}  # each target's vocabulary
+
+
+def vocab_of(folder: Path) -> int:
+    return next(v for prefix, v in VOCABS.items() if folder.name.startswith(prefix))
 
 
 def card_number(card: str, label: str) -> int:
@@ -63,7 +67,7 @@ def test_records_are_well_formed(shipped):
     assert len({r["key"] for r in records}) == len(records)
     for r in records:
         assert r["prompt_ids"] and r["answer_ids"]
-        assert all(0 <= t < VOCAB for t in r["prompt_ids"] + r["answer_ids"])
+        assert all(0 <= t < vocab_of(DATA) for t in r["prompt_ids"] + r["answer_ids"])
         assert len(r["answer_ids"]) <= cap
         # A truncated answer ran to the cap; a finished one is shorter or ends where the model stopped.
         assert not r["truncated"] or len(r["answer_ids"]) == cap
