@@ -19,6 +19,22 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 
+def _op_limits():
+    """``poss_ext/limits.py`` (plain constants) read without importing ``poss_ext``, whose ``__init__``
+    loads torch and the kernels: building the parser must stay fast for ``poss --help``."""
+    import importlib.util
+
+    package = importlib.util.find_spec("poss_ext")  # finds the package without running it
+    path = Path(list(package.submodule_search_locations)[0]) / "limits.py"
+    spec = importlib.util.spec_from_file_location("poss_ext_limits_for_the_cli", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+MAX_TREE_NODES = _op_limits().MAX_TREE_NODES
+
+
 class UsageError(Exception):
     """A bad command-line input: printed as one line, exit status 2."""
 
@@ -349,12 +365,12 @@ def add_tree(p, auto: bool = True, vocab_help: str = ""):
         t = p.add_argument_group(
             "draft tree (auto: the size with the most expected tokens/s on this machine, timed once per machine, "
             "dtype and draft, then cached; a size given alone takes 60 / 6 for the other)")
-        t.add_argument("--num-nodes", type=int_or_auto(1, 256), default="auto",
+        t.add_argument("--num-nodes", type=int_or_auto(1, MAX_TREE_NODES), default="auto",
                        help="nodes verified per round, root included")
         t.add_argument("--depth", type=int_or_auto(0), default="auto", help="draft positions below the root")
     else:
         t = p.add_argument_group("draft tree (fixed sizes)")
-        t.add_argument("--num-nodes", type=int_at_least(2, 256), default=60,
+        t.add_argument("--num-nodes", type=int_at_least(2, MAX_TREE_NODES), default=60,
                        help="nodes verified per round, root included")
         t.add_argument("--depth", type=int_at_least(1), default=6, help="draft positions below the root")
     add_beam_width(t)
