@@ -220,3 +220,23 @@ def test_sampling_with_a_datastore_follows_the_target():
     counts, _ = sample(gen, 40, tree=TreeParams(num_nodes=12, depth=3, beam_width=4, lookup=3))
     assert counts[probs == 0].sum() == 0
     assert chi2_pvalue(counts, probs) > 1e-3
+
+
+def test_index_cache_gives_the_same_continuations_and_survives_a_bad_file(tmp_path):
+    rng = np.random.default_rng(3)
+    tokens = np.concatenate([rng.integers(0, 50, 400), [-1], rng.integers(0, 50, 300)])
+    fresh = Datastore(tokens, min_ngram=2, max_ngram=4)
+    first = Datastore(tokens, min_ngram=2, max_ngram=4, index_cache=tmp_path)
+    (cached,) = tmp_path.glob("*.npz")
+    again = Datastore(tokens, min_ngram=2, max_ngram=4, index_cache=tmp_path)  # read back, not rebuilt
+    contexts = [list(rng.integers(0, 50, 6)) for _ in range(200)] + [list(tokens[i:i + 5]) for i in range(0, 690, 7)]
+    for ctx in contexts:
+        want = fresh.continuation(ctx, 5)
+        assert first.continuation(ctx, 5) == want and again.continuation(ctx, 5) == want
+    for n in range(2, 5):
+        assert np.array_equal(again._keys[n], fresh._keys[n]) and np.array_equal(again._ends[n], fresh._ends[n])
+    cached.write_bytes(b"not an npz")  # a cut or foreign file is rebuilt, never trusted
+    rebuilt = Datastore(tokens, min_ngram=2, max_ngram=4, index_cache=tmp_path)
+    assert all(rebuilt.continuation(ctx, 5) == fresh.continuation(ctx, 5) for ctx in contexts)
+    other = Datastore(tokens, min_ngram=3, max_ngram=4, index_cache=tmp_path)  # another range, another file
+    assert len(list(tmp_path.glob("*.npz"))) == 2 and other.fingerprint != fresh.fingerprint
