@@ -65,6 +65,17 @@ def test_runner_streams_the_blocks_and_matches_the_dequantised_float_runner(quan
     torch.testing.assert_close(fq, ff, rtol=1e-4, atol=1e-4)
 
 
+def test_the_stats_line_names_the_block_formats(quantized):
+    from poss.cli.generate import speed_line
+
+    model, blocks, fmt = quantized
+    gen = generator(model, blocks, torch.float32, draft=False)
+    res = gen.generate([eval_prompts(1)[0]], 4)
+    assert f"; weights {fmt} x{4 * len(gen.runner.layers) + 1};" in speed_line(res, gen)
+    plain = generator(model, None, torch.float32, draft=False)
+    assert "weights" not in speed_line(plain.generate([eval_prompts(1)[0]], 4), plain)
+
+
 def test_mixed_formats_stay_float_where_a_fused_weight_mixes_them():
     """q and k in q4_0, v in q8_0 (as Qwen2.5's file has): the fused q|k|v runs dequantised, the
     others stay blocks."""

@@ -93,7 +93,8 @@ def load(args):
 
 
 def speed_line(result, gen=None) -> str:
-    """``[tokens, seconds, tokens/s, tau; the tree (and where auto took it from); threads]``."""
+    """``[tokens, seconds, tokens/s, tau; the tree (and where auto took it from); the weight formats when
+    some run on GGUF blocks; threads]``."""
     import torch
 
     from poss.decode.autotune import tree_label
@@ -109,6 +110,10 @@ def speed_line(result, gen=None) -> str:
         auto = getattr(gen, "auto_choice", None)
         if auto is not None and auto.tree == result.tree:
             line += f" (auto: {auto.source})"
+    runner = getattr(gen, "runner", None)
+    formats = runner.weight_formats() if hasattr(runner, "weight_formats") else {}
+    if any(f.startswith("q") for f in formats):  # --dtype gguf: say which weights ran on the file's blocks
+        line += "; weights " + ", ".join(f"{f} x{n}" for f, n in sorted(formats.items()))
     threads = torch.get_num_threads()
     return line + f"; {threads} thread{'s' if threads > 1 else ''}]"
 
