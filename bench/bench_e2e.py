@@ -68,19 +68,23 @@ def ours(gen, prompts: Sequence[List[int]], new: int, name: str, tree=None, kind
 
 
 def interleaved(gen, prompts: Sequence[List[int]], new: int, configs) -> List[Dict]:
-    """:func:`ours` rows for ``configs`` = ``[(name, kind, draft, tree, datastore)]`` (draft None: our AR
-    loop; ``gen.draft`` / ``gen.datastore`` are set to them), timed prompt by prompt in turn: every config
-    runs a prompt before any runs the next, so a shared machine's drift over the run (tens of seconds
-    per config) hits all of them alike, and their ratios are fair within one run."""
+    """:func:`ours` rows for ``configs`` = ``[(name, kind, draft, tree, datastore[, generator])]`` (draft
+    None: our AR loop; the generator, ``gen`` unless given, has its ``draft`` / ``datastore`` set to
+    them), timed prompt by prompt in turn: every config runs a prompt before any runs the next, so a
+    shared machine's drift over the run (tens of seconds per config) hits all of them alike, and their
+    ratios are fair within one run."""
     parts: Dict[str, List[Dict]] = {name: [] for name, *_ in configs}
-    saved = gen.draft, gen.datastore
+    gens = {id(g): g for g in [gen] + [c[5] for c in configs if len(c) > 5]}
+    saved = {k: (g.draft, g.datastore) for k, g in gens.items()}
     try:
         for p in prompts:
-            for name, kind, draft, tree, datastore in configs:
-                gen.draft, gen.datastore = draft, datastore
-                parts[name].append(ours(gen, [p], new, name, tree, kind))
+            for name, kind, draft, tree, datastore, *own in configs:
+                g = own[0] if own else gen
+                g.draft, g.datastore = draft, datastore
+                parts[name].append(ours(g, [p], new, name, tree, kind))
     finally:
-        gen.draft, gen.datastore = saved
+        for k, (draft, store) in saved.items():
+            gens[k].draft, gens[k].datastore = draft, store
     rows = []
     for name, kind, *_ in configs:
         rs = parts[name]
@@ -229,9 +233,12 @@ def bandwidth(row: Dict, runner) -> Dict:
             "achieved_gbs": wb * row["rounds"] / row["decode_seconds"] / 1e9}
 
 
-def matches(rows: List[Dict], ref: Dict) -> None:
+def matches(rows: List[Dict], ref: Dict, refs: Optional[Dict[str, Dict]] = None) -> None:
+    """Each row's ``identical_to_ar``: its answers against the AR row of its weights (``refs`` by a row's
+    ``weights``, e.g. ``"gguf"``), else against ``ref``."""
     for r in rows:
-        same = sum(a == b for a, b in zip(r["token_ids"], ref["token_ids"]))
+        base = (refs or {}).get(r.get("weights"), ref)
+        same = sum(a == b for a, b in zip(r["token_ids"], base["token_ids"]))
         r["identical_to_ar"] = f"{same}/{min(len(r['token_ids']), len(ref['token_ids']))}"  # batch rows: their prompts
 
 
@@ -240,7 +247,7 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
         fixed=((60, 6), (16, 4), (8, 3), (4, 2)), sweep_draft: str = "poss2",
         llama: bool = True, hf_rows: bool = True, compiled: bool = False, batches: Sequence[int] = (),
         fixed_all: bool = True, pages_row: bool = True, hf_extra_dtypes: Sequence[str] = (),
-        lookups: Sequence[str] = (), log=print) -> Dict:
+        lookups: Sequence[str] = (), gguf: bool = False, log=print) -> Dict:
     """Every row on the real SmolLM2-135M-Instruct (registry) and its shipped drafts.
 
     ``fixed``: the (nodes, depth) trees the ``sweep_draft`` is also timed at; with ``fixed_all`` every
@@ -249,7 +256,10 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
     ``hf_extra_dtypes``: HF rows also in these dtypes (named "HF generate (float32)" etc.), e.g. fp32 on
     a CPU where torch's own bf16 GEMMs are slow while ours run bf16. ``lookups``: ``"K"`` times the
     ``sweep_draft`` at its auto tree plus a K-token prompt-lookup chain, and our loop with the chain
-    alone (no draft); ``"N/D+K"`` the sweep draft at the fixed N/D tree plus the chain.
+    alone (no draft); ``"N/D+K"`` the sweep draft at the fixed N/D tree plus the chain. ``gguf``: a
+    second target on the GGUF file's own blocks (``dtype="gguf"``), its AR loop and every draft at its
+    own auto tree in the same interleaved pass (rows marked ``weights: "gguf"``, checked against the
+    gguf AR loop's answers).
     """
     import poss
     from poss import hardware
@@ -293,10 +303,19 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
     autos = [(f"{name} auto (= {a['tree']})", "draft", attached[name],
               TreeParams(num_nodes=a["params"][0], depth=a["params"][1], lookup=a["params"][2]), store)
              for name, a in out["auto"].items()]
-    ar, *auto_rows = interleaved(gen, prompts, new, [("our AR loop", "ours", None, None, None)] + autos)
+    quant = gguf_configs(drafts, dt, log, out) if gguf else []
+    ar, *auto_rows = interleaved(gen, prompts, new, [("our AR loop", "ours", None, None, None)] + autos + quant)
+    quant_rows = auto_rows[len(autos):]
+    auto_rows = auto_rows[:len(autos)]
     ar["bandwidth"] = bandwidth(ar, gen.runner)
     rows = [ar]
     log(f"  {ar['name']}: {ar['tokens_per_s']:.1f} tok/s")
+    for r, c in zip(quant_rows, quant):
+        r["weights"] = "gguf"
+        if c[2] is None:
+            r["bandwidth"] = bandwidth(r, c[5].runner)
+        rows.append(r)
+        log(f"  {r['name']}: {r['tokens_per_s']:.1f} tok/s" + (f", tau {r['tau']:.2f}" if c[2] is not None else ""))
     if pages_row and huge_pages_available():
         rows.append(small_pages_row(gen, load_model(resolve("smollm2-135m"), dtype=dt)[1], prompts, new))
         log(f"  {rows[-1]['name']}: {rows[-1]['tokens_per_s']:.1f} tok/s")
@@ -365,11 +384,41 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
             for r in llama_cpp_rows(fetch_gguf("smollm2-135m"), prompts, new, threads):
                 rows.append(r)
                 log(f"  {r['name']}: {r['tokens_per_s']:.1f} tok/s")
-    matches(rows, ar)
+    matches(rows, ar, {"gguf": quant_rows[0]} if quant_rows else None)
     out["rows"] = rows
     out["wall_seconds"] = time.perf_counter() - t0
     out["loadavg_end"] = os.getloadavg()
     return out
+
+
+def gguf_configs(drafts: Optional[List[str]], draft_dtype, log, out: Dict) -> List[tuple]:
+    """:func:`interleaved` configs on a second SmolLM2 target running its GGUF file's own blocks: our AR
+    loop, then every shipped draft (in ``draft_dtype``, as ``poss.load`` attaches it) at the auto tree
+    calibrated on that target (recorded in ``out["auto"]`` under ``"NAME (gguf)"``)."""
+    import poss
+    from poss.decode.autotune import calibrate, choose
+    from poss.decode.params import TreeParams
+    from poss.models.draft import PosSDraft
+    from poss.models.registry import shipped_drafts
+
+    gq = poss.load("smollm2-135m", dtype="gguf", threads=None)
+    log(f"  gguf target: {gq.runner.weight_formats()}")
+    configs = [("our AR loop (gguf)", "ours", None, None, None, gq)]
+    for folder in shipped_drafts("smollm2-135m"):
+        if drafts and folder.name not in drafts:
+            continue
+        gq.draft = PosSDraft.load(folder, dtype=draft_dtype).attach(gq.runner, 1, 256)
+        t = time.perf_counter()
+        cal = calibrate(gq)
+        auto = choose(cal)
+        out["auto"][f"{folder.name} (gguf)"] = {"tree": shape_of(auto), "params": [auto.num_nodes, auto.depth,
+                                                                                    auto.lookup],
+                                                 "calibration": cal.to_json(),
+                                                 "calibration_seconds": time.perf_counter() - t}
+        log(f"  {folder.name} (gguf): auto = {shape_of(auto)} ({time.perf_counter() - t:.0f} s of calibration)")
+        configs.append((f"{folder.name} auto (= {shape_of(auto)}) (gguf)", "draft", gq.draft, auto, gq.datastore, gq))
+    gq.draft = None
+    return configs
 
 
 def shape_of(tree) -> str:
@@ -415,6 +464,9 @@ def main(argv=None):
     ap.add_argument("--lookup", nargs="*", default=[], metavar="K|N/D+K",
                     help="rows with a K-token prompt-lookup chain: K = the sweep draft at auto plus it, and it "
                          "alone; N/D+K = the sweep draft at the N/D tree plus it")
+    ap.add_argument("--gguf", action="store_true",
+                    help="also our AR loop and every draft at auto on the GGUF file's own blocks (dtype gguf), "
+                         "interleaved with the other auto rows")
     ap.add_argument("--out", default="out/e2e.json")
     args = ap.parse_args(argv)
     try:
@@ -427,7 +479,7 @@ def main(argv=None):
     res = run(args.prompts, args.new, args.threads, args.dtype, args.drafts, sweep_draft=args.sweep_draft,
               llama=not args.no_llama, hf_rows=not args.no_hf, compiled=args.compile,
               batches=args.batch, fixed=fixed, fixed_all=not args.no_fixed_others, pages_row=not args.no_pages_row,
-              hf_extra_dtypes=args.hf_extra_dtypes, lookups=args.lookup)
+              hf_extra_dtypes=args.hf_extra_dtypes, lookups=args.lookup, gguf=args.gguf)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(f"wrote {args.out} ({res['wall_seconds']:.0f} s)")
@@ -446,6 +498,7 @@ def tiny():
 
 def test_rows_tiny(benchmark, tiny, bench_threads, tmp_path, monkeypatch):
     from poss.decode.autotune import calibrate, choose
+    from poss.testing import make_generator
     from poss.decode.params import TreeParams
     from poss.huge_pages import huge_pages_available
 
@@ -471,6 +524,15 @@ def test_rows_tiny(benchmark, tiny, bench_threads, tmp_path, monkeypatch):
     assert gen.draft is draft and [r["rounds"] for r in turns] == [ar["rounds"], rows[1]["rounds"]]
     assert turns[1]["tree"] == shape_of(auto) and turns[1]["tau"] == rows[1]["tau"]
     rows += turns
+    # a config on a second generator (the --gguf rows' path): its own draft slot, checked against its own AR
+    other = make_generator(model)
+    two = interleaved(gen, prompts, 16, [("AR, other", "ours", None, None, None, other),
+                                         ("auto, other", "draft", draft, auto, None, other)])
+    assert other.draft is None and gen.draft is draft and two[1]["tau"] == rows[1]["tau"]
+    for r in two:
+        r["weights"] = "other"
+    matches(two, rows[0], {"other": two[0]})
+    assert [r["identical_to_ar"] for r in two] == ["2/2", "2/2"]
     if huge_pages_available():
         rows.append(small_pages_row(gen, model, prompts, 16))
         assert rows[-1]["bandwidth"]["steps"] == ar["rounds"]
@@ -506,9 +568,12 @@ def test_report_renders(tmp_path):
                      "identical_to_ar": "1/1", "bandwidth": {"achieved_gbs": 5.0, "weight_bytes": 1, "steps": 1}},
                     {"name": "poss2 auto", "kind": "draft", "tokens_per_s": 25.0, "tree": "8/3", "tau": 1.6,
                      "identical_to_ar": "1/1", "interleaved": True},
-                    {"name": "HF generate", "kind": "hf", "tokens_per_s": 10.0, "identical_to_ar": "1/1"}]}
+                    {"name": "HF generate", "kind": "hf", "tokens_per_s": 10.0, "identical_to_ar": "1/1"},
+                    {"name": "llama.cpp plain", "kind": "llama.cpp", "tokens_per_s": 8.0, "identical_to_ar": "0/1"}]}
     md = rep.table(res)
-    assert md.count("\n|") >= 4 and "1.25" in md and "5.0 GB/s" in md
+    assert md.count("\n|") >= 5 and "1.25" in md and "5.0 GB/s" in md
+    # x our AR | x HF | x llama.cpp: our AR 20/20, 20/10, 20/8; poss2 25/20, 25/10, 25/8
+    assert "| x llama.cpp |" in md and "| 1.00 | 2.00 | 2.50 |" in md and "| 1.25 | 2.50 | 3.12 |" in md
     assert "| poss2 auto † |" in md and "| HF generate |" in md and "† timed prompt by prompt" in md
     png = tmp_path / "x.png"
     rep.chart(res, png)

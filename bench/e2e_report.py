@@ -18,23 +18,25 @@ def table(res: Dict) -> str:
     rows = res["rows"]
     ar = _find(rows, "our AR loop")
     hfg = _find(rows, "HF generate")
+    lcp = _find(rows, "llama.cpp plain")
     lines = [f"Machine: {res['header']}. {res['prompts']} MT-Bench prompts x {res['new_tokens']} new tokens, "
              "batch 1, greedy." + (f" Load average {res['loadavg_start'][0]:.1f} at the start, "
                                    f"{res['loadavg_end'][0]:.1f} at the end (2 cores, shared)."
                                    if "loadavg_end" in res else "")
              + (f" {res['huge_page_mb']:.0f} MB of the process on 2 MB pages after loading."
                 if "huge_page_mb" in res else ""), "",
-             "| system | tree (nodes/depth) | tokens/s | x our AR | x HF generate | tau "
-             "| ms per round: draft / verify / commit / host | identical to our AR |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| system | tree (nodes/depth) | tokens/s | x our AR | x HF generate" + (" | x llama.cpp" if lcp else "")
+             + " | tau | ms per round: draft / verify / commit / host | identical to our AR |",
+             "|---|---|---|---|---|---|---|---|" + ("---|" if lcp else "")]
     for r in rows:
         x_ar = f"{r['tokens_per_s'] / ar['tokens_per_s']:.2f}" if ar else ""
         x_hf = f"{r['tokens_per_s'] / hfg['tokens_per_s']:.2f}" if hfg else ""
+        x_lcp = f" | {r['tokens_per_s'] / lcp['tokens_per_s']:.2f}" if lcp else ""
         tau = f"{r['tau']:.2f}" if "tau" in r else ""
         ms = r.get("round_ms") or {}
         phases = " / ".join(f"{ms.get(k, 0.0):.1f}" for k in ("draft", "verify", "commit", "host")) if ms else ""
         mark = " †" if r.get("interleaved") else ""
-        lines.append(f"| {r['name']}{mark} | {r.get('tree', '')} | {r['tokens_per_s']:.1f} | {x_ar} | {x_hf} | {tau} "
+        lines.append(f"| {r['name']}{mark} | {r.get('tree', '')} | {r['tokens_per_s']:.1f} | {x_ar} | {x_hf}{x_lcp} | {tau} "
                      f"| {phases} | {r.get('identical_to_ar', '')} |")
     if any(r.get("interleaved") for r in rows):
         lines += ["", "† timed prompt by prompt in turn (`bench_e2e.interleaved`): their ratios are the "
