@@ -397,7 +397,6 @@ def gguf_configs(drafts: Optional[List[str]], draft_dtype, log, out: Dict) -> Li
     calibrated on that target (recorded in ``out["auto"]`` under ``"NAME (gguf)"``)."""
     import poss
     from poss.decode.autotune import calibrate, choose
-    from poss.decode.params import TreeParams
     from poss.models.draft import PosSDraft
     from poss.models.registry import shipped_drafts
 
@@ -498,9 +497,9 @@ def tiny():
 
 def test_rows_tiny(benchmark, tiny, bench_threads, tmp_path, monkeypatch):
     from poss.decode.autotune import calibrate, choose
-    from poss.testing import make_generator
     from poss.decode.params import TreeParams
     from poss.huge_pages import huge_pages_available
+    from poss.testing import make_generator
 
     monkeypatch.setenv("POSS_CACHE", str(tmp_path))
     model, gen, prompts = tiny

@@ -36,8 +36,8 @@ def table(res: Dict) -> str:
         ms = r.get("round_ms") or {}
         phases = " / ".join(f"{ms.get(k, 0.0):.1f}" for k in ("draft", "verify", "commit", "host")) if ms else ""
         mark = " †" if r.get("interleaved") else ""
-        lines.append(f"| {r['name']}{mark} | {r.get('tree', '')} | {r['tokens_per_s']:.1f} | {x_ar} | {x_hf}{x_lcp} | {tau} "
-                     f"| {phases} | {r.get('identical_to_ar', '')} |")
+        lines.append(f"| {r['name']}{mark} | {r.get('tree', '')} | {r['tokens_per_s']:.1f} | {x_ar} | {x_hf}{x_lcp} "
+                     f"| {tau} | {phases} | {r.get('identical_to_ar', '')} |")
     if any(r.get("interleaved") for r in rows):
         lines += ["", "† timed prompt by prompt in turn (`bench_e2e.interleaved`): their ratios are the "
                   "run's fair comparison; the other rows ran one after another, at other moments of the run."]
