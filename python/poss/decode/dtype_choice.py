@@ -1,0 +1,281 @@
+"""``dtype="auto"`` on a CPU for a GGUF target: the fastest of the formats it has here, by a short timing.
+
+A decode step streams every linear weight once, so the weights' format decides its speed: bf16 reads
+half fp32's bytes, the file's Q4_x / Q8_0 blocks (``dtype="gguf"``, :func:`poss_ext.ops.qlinear`) a
+third to a half of bf16's, but decode them in registers, which costs compute that grows with the rows
+a pass carries. Which wins depends on the CPU (a core's read bandwidth, AMX / AVX512-BF16) and the
+threads, so it is measured, once per machine, target layout and thread count, and cached.
+
+The timing (:func:`time_format`) runs the target's own matrix shapes (fused q|k|v and gate|up per
+layer, as the runner streams them, and the lm_head) with placeholder values in each candidate format:
+as many layers as fill :data:`SAMPLE_BYTES` (far past any last-level cache, as the whole model is)
+and a slice of the lm_head's rows, scaled up to the whole model. Nothing of the model is loaded, so
+it costs a second or two. Each candidate is timed at 1 row (a plain decode step) and at
+:data:`VERIFY_ROWS` (a tree verify). Which row count decides (:func:`decide`): with a draft, the
+verify's, since every speculative round's target cost is one verify pass of the tree, while the
+draft's cost is the same whatever the target's format (drafts keep their float dtype); without a
+draft, the one-row step, which is every step.
+
+Cached as JSON under ``<poss cache>/autotune/dtype/`` (:func:`cache_key`: the CPU, the kernels each
+format runs, threads, the target's layout fingerprint); ``retune=True`` (``--retune``) measures again.
+"""
+
+import hashlib
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+CACHE_VERSION = 1  # bump when what is measured changes: old cache files are then ignored
+VERIFY_ROWS = 16  # a tree verify's rows (shipped CPU trees verify 8-20 rows)
+ROWS = (1, VERIFY_ROWS)
+SAMPLE_BYTES = 160 << 20  # weights timed per candidate: past a last-level cache, as a decode step is
+REPEATS = 3  # timed passes per row count (the fastest counts: on a shared machine, the uncontended cost)
+GGUF = "gguf"
+
+# candidate -> rows -> ms of one pass over every linear weight of the target
+Timings = Dict[str, Dict[int, float]]
+
+
+@dataclass
+class DtypeChoice:
+    """What ``dtype="auto"`` resolved to: ``dtype`` ("gguf" or a float dtype's name), ``source``
+    ("measured", "cached" or why nothing was timed), the row count that decided and the timings."""
+
+    dtype: str
+    source: str
+    rows: int = 1
+    ms: Timings = field(default_factory=dict)
+
+    def label(self) -> str:
+        """E.g. ``gguf (measured: gguf 23.4, bfloat16 43.4 ms per pass at 1 row)``."""
+        if not self.ms:
+            return f"{self.dtype} ({self.source})"
+        ranked = sorted(self.ms, key=lambda c: self.ms[c][self.rows])
+        times = ", ".join(f"{c} {self.ms[c][self.rows]:.1f}" for c in ranked)
+        return f"{self.dtype} ({self.source}: {times} ms per pass at {self.rows} row{'s' if self.rows > 1 else ''})"
+
+
+def float_candidates(device="cpu") -> List[str]:
+    """The float dtypes worth timing here: ``"auto"``'s (bf16 where the CPU runs it fast) and fp32."""
+    from poss.hardware import resolve_dtype
+
+    auto = str(resolve_dtype("auto", device)).replace("torch.", "")
+    return list(dict.fromkeys([auto, "float32"]))
+
+
+def decide(ms: Timings, draft: bool) -> Tuple[str, int]:
+    """``(fastest candidate, the rows that decided)``: :data:`VERIFY_ROWS` with a draft, else 1 (see the
+    module docstring). Ties go to the earlier candidate (the float ones come first)."""
+    rows = VERIFY_ROWS if draft else 1
+    return min(ms, key=lambda c: ms[c][rows]), rows
+
+
+# -- timing ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Matrix:
+    """One weight a forward streams: ``[n, k]`` in ``format`` (a qlinear format, or None: float)."""
+
+    n: int
+    k: int
+    format: Optional[str]
+
+
+def fused_matrices(layout, i: int) -> List[Matrix]:
+    """Decoder layer ``i``'s weights as the runner fuses them (q|k|v, o, gate|up, down; a fused weight
+    stays blocks only when its parts share one qlinear format, as
+    :meth:`~poss.models.quant_weight.QuantWeight.stack`), for the GGUF
+    :class:`~poss.models.gguf_weights.GGUFLayout` ``layout``."""
+    from poss.models.gguf_weights import QLINEAR_FORMATS
+
+    def matrix(*names) -> Matrix:
+        full = [f"model.layers.{i}.{n}.weight" for n in names]
+        fmts = {QLINEAR_FORMATS.get(layout.types[n]) for n in full}
+        fmt = fmts.pop() if len(fmts) == 1 else None
+        return Matrix(sum(layout.shapes[n][0] for n in full), layout.shapes[full[0]][1], fmt)
+
+    return [matrix("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), matrix("self_attn.o_proj"),
+            matrix("mlp.gate_proj", "mlp.up_proj"), matrix("mlp.down_proj")]
+
+
+def head_matrix(layout) -> Matrix:
+    """The lm_head of ``layout`` (see :func:`fused_matrices`)."""
+    from poss.models.gguf_weights import QLINEAR_FORMATS
+
+    n, k = layout.shapes["lm_head.weight"]
+    return Matrix(n, k, QLINEAR_FORMATS.get(layout.types["lm_head.weight"]))
+
+
+def _weight(m: Matrix, n: int, candidate: str, float_dtype: torch.dtype):
+    """A placeholder weight of ``n`` rows of ``m`` as ``candidate`` runs it: blocks for a qlinear format
+    under "gguf", else a float tensor. Every byte is written (zero pages would all map to one page and
+    time as cache hits) and every scale is a small finite number (values do not change a kernel's speed)."""
+    from poss.models.quant_weight import QuantWeight
+    from poss_ext.ops import QBLOCK, QFORMAT_BLOCK_BYTES
+
+    if candidate == GGUF and m.format is not None:
+        size = QFORMAT_BLOCK_BYTES[m.format]
+        blocks = torch.full((n, m.k // QBLOCK, size), 0x11, dtype=torch.uint8)
+        scale = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+        blocks[..., 0:2] = scale
+        if m.format == "q4_1":
+            blocks[..., 2:4] = scale
+        return QuantWeight(blocks.reshape(n, -1), m.format)
+    return torch.full((n, m.k), 0.01, dtype=float_dtype)
+
+
+def _nbytes(w) -> int:
+    t = getattr(w, "blocks", w)
+    return t.numel() * t.element_size()
+
+
+def time_format(layout, candidate: str, float_dtype: torch.dtype, rows=ROWS, repeats: int = REPEATS,
+                sample_bytes: int = SAMPLE_BYTES) -> Dict[int, float]:
+    """ms of one pass over every linear weight of ``layout``'s target in ``candidate`` (a float dtype's
+    name, or "gguf": blocks where the file has a qlinear format, ``float_dtype`` elsewhere), at each
+    row count of ``rows``, with torch's current threads (see the module docstring)."""
+    from poss.huge_pages import pack_on_huge_pages
+    from poss.models.quant_weight import QuantWeight, project
+
+    dtype = float_dtype if candidate == GGUF else getattr(torch, candidate)
+    n_layers = layout.n_layers
+    per_layer = sum(_nbytes(_weight(m, 1, candidate, dtype)) * m.n for m in fused_matrices(layout, 0))
+    n_sample = max(1, min(n_layers, sample_bytes // max(per_layer, 1)))
+    # Layers spread over the model: a file may give some layers other formats than the rest.
+    mats = [m for j in range(n_sample) for m in fused_matrices(layout, j * n_layers // n_sample)]
+    head = head_matrix(layout)
+    head_rows = max(1, min(head.n, sample_bytes // max(_nbytes(_weight(head, 1, candidate, dtype)), 1)))
+    weights = [_weight(m, m.n, candidate, dtype) for m in mats] + [_weight(head, head_rows, candidate, dtype)]
+    # On 2 MB pages where the OS has them, as the runner keeps its weights (poss.huge_pages).
+    packed = pack_on_huge_pages([getattr(w, "blocks", w) for w in weights])
+    weights = [QuantWeight(p, w.format) if isinstance(w, QuantWeight) else p for w, p in zip(weights, packed)]
+    out = {}
+    for m in rows:
+        xs = {k: torch.full((m, k), 0.5, dtype=dtype) for k in {w.k for w in mats + [head]}}
+        layers_s, head_s = math.inf, math.inf
+        for rep in range(repeats + 1):  # the first pass warms up
+            t0 = time.perf_counter()
+            for w, mat in zip(weights[:-1], mats):
+                project(xs[mat.k], w)
+            t1 = time.perf_counter()
+            project(xs[head.k], weights[-1])
+            t2 = time.perf_counter()
+            if rep:
+                layers_s, head_s = min(layers_s, t1 - t0), min(head_s, t2 - t1)
+        out[m] = 1e3 * (layers_s * n_layers / n_sample + head_s * head.n / head_rows)
+    return out
+
+
+def measure(layout, candidates: List[str], float_dtype: torch.dtype, rows=ROWS) -> Timings:
+    """:func:`time_format` of every candidate."""
+    return {c: time_format(layout, c, float_dtype, rows) for c in candidates}
+
+
+# -- cache -----------------------------------------------------------------------------------------
+
+def cache_key(layout, candidates: List[str], threads: int) -> Dict:
+    """What the timings depend on: the CPU, the kernel each format runs, threads, the target's layout."""
+    import poss_ext
+    from poss import hardware
+
+    kernels = {c: poss_ext.ops.cpu_linear_kernel(getattr(torch, c)) for c in candidates if c != GGUF}
+    if GGUF in candidates:
+        kernels[GGUF] = poss_ext.ops.cpu_qlinear_kernel()
+    return {"method": CACHE_VERSION, "cpu": hardware.cpu_model(), "kernels": kernels, "threads": threads,
+            "target": layout.fingerprint, "rows": list(ROWS)}
+
+
+def cache_dir() -> Path:
+    from poss.decode.autotune import cache_dir as autotune_dir
+
+    return autotune_dir() / "dtype"
+
+
+def cache_path(key: Dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / f"{digest}.json"
+
+
+def _read(path: Path, key: Dict) -> Optional[Timings]:
+    try:
+        stored = json.loads(path.read_text())
+        if stored.get("key") != key:
+            return None
+        return {c: {int(r): float(v) for r, v in by_rows.items()} for c, by_rows in stored["ms"].items()}
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
+        return None  # none yet, or unreadable: measure again
+
+
+def cached_choices() -> List[Dict]:
+    """Every choice cached on this machine (any threads): ``{"target", "threads", "ms", "plain", "speculative"}``,
+    the last two what a plain and a speculative load would pick; for ``poss info``."""
+    from poss import hardware
+
+    out = []
+    for path in sorted(cache_dir().glob("*.json")):
+        try:
+            stored = json.loads(path.read_text())
+            key = stored["key"]
+            if key.get("method") != CACHE_VERSION or key.get("cpu") != hardware.cpu_model():
+                continue
+            ms = {c: {int(r): float(v) for r, v in by_rows.items()} for c, by_rows in stored["ms"].items()}
+            out.append({"target": stored.get("target_file"), "threads": key["threads"], "ms": ms,
+                        "plain": decide(ms, draft=False)[0], "speculative": decide(ms, draft=True)[0]})
+        except (OSError, ValueError, KeyError, AttributeError, TypeError):
+            continue
+    return out
+
+
+def log(msg: str) -> None:
+    print(f"poss: {msg}", file=sys.stderr, flush=True)
+
+
+def choose_dtype(gguf_path: Optional[Path], draft: bool, retune: bool = False, device="cpu",
+                 timer: Optional[Callable[..., Timings]] = None) -> DtypeChoice:
+    """``dtype="auto"``: "gguf" or a float dtype's name, for the target whose GGUF file is ``gguf_path``
+    (None: not a GGUF target) and a load with or without a draft. Times the candidates (``timer``,
+    default :func:`measure`, called as ``timer(layout, candidates, float_dtype)``) unless this machine
+    has them cached for this layout and thread count (``retune=True`` times them again). Nothing is
+    timed off the CPU, for a target without a GGUF file or for a file without blocks poss runs: the
+    answer is then :func:`poss.hardware.resolve_dtype`'s, as without this module."""
+    from poss.models.gguf_weights import gguf_linear_layout
+
+    floats = float_candidates(device)
+    if torch.device(device).type != "cpu":
+        return DtypeChoice(floats[0], "not a CPU: no GGUF kernels")
+    if gguf_path is None:
+        return DtypeChoice(floats[0], "not a GGUF target")
+    layout = gguf_linear_layout(gguf_path)
+    if not layout.runnable():
+        return DtypeChoice(floats[0], "no Q8_0/Q4_0/Q4_1 blocks in the file")
+    candidates = floats + [GGUF]
+    threads = torch.get_num_threads()
+    key = cache_key(layout, candidates, threads)
+    path = cache_path(key)
+    ms = None if retune else _read(path, key)
+    source = "cached"
+    if ms is None:
+        from poss.decode.autotune import warn_if_busy
+
+        log(f"timing the target's weights as {', '.join(candidates)} on this CPU ({threads} thread"
+            f"{'s' if threads > 1 else ''}) to pick dtype auto; once, then cached")
+        load = warn_if_busy("dtype auto")
+        start = time.perf_counter()
+        ms = (timer or measure)(layout, candidates, getattr(torch, floats[0]))
+        source = "measured"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{time.time_ns()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "ms": ms, "target_file": Path(gguf_path).name,
+                                   "load_average": load, "seconds": time.perf_counter() - start}, indent=1))
+        tmp.replace(path)  # atomic: a concurrent reader sees the old file or the new one
+    dtype, rows = decide(ms, draft)
+    choice = DtypeChoice(dtype, source, rows, ms)
+    if source == "measured":
+        log(f"dtype auto: {choice.label()}")
+    return choice
