@@ -118,7 +118,7 @@ def test_the_timer_runs_every_candidate_at_both_row_counts(gguf_file):
 
     layout = gguf_linear_layout(gguf_file)
     for c in (FLOAT, GGUF):
-        ms = dtype_choice.time_format(layout, c, getattr(torch, FLOAT), repeats=1, sample_bytes=1 << 16)
+        ms = dtype_choice.time_format(layout, c, getattr(torch, FLOAT), repeats=1, sample=1 << 16)
         assert set(ms) == {1, VERIFY_ROWS} and all(v > 0 for v in ms.values())
 
 

@@ -8,8 +8,8 @@ threads, so it is measured, once per machine, target layout and thread count, an
 
 The timing (:func:`time_format`) runs the target's own matrix shapes (fused q|k|v and gate|up per
 layer, as the runner streams them, and the lm_head) with placeholder values in each candidate format:
-as many layers as fill :data:`SAMPLE_BYTES` (far past any last-level cache, as the whole model is)
-and a slice of the lm_head's rows, scaled up to the whole model. Nothing of the model is loaded, so
+as many layers and lm_head rows as fill four times the last-level cache (a decode step streams the model
+from memory) and scaled up to the whole model (:func:`time_format`). Nothing of the model is loaded, so
 it costs a second or two. Each candidate is timed at 1 row (a plain decode step) and at
 :data:`VERIFY_ROWS` (a tree verify). Which row count decides (:func:`decide`): with a draft, the
 verify's, since every speculative round's target cost is one verify pass of the tree, while the
@@ -34,7 +34,6 @@ import torch
 CACHE_VERSION = 1  # bump when what is measured changes: old cache files are then ignored
 VERIFY_ROWS = 16  # a tree verify's rows (shipped CPU trees verify 8-20 rows)
 ROWS = (1, VERIFY_ROWS)
-SAMPLE_BYTES = 160 << 20  # weights timed per candidate: past a last-level cache, as a decode step is
 REPEATS = 3  # timed passes per row count (the fastest counts: on a shared machine, the uncontended cost)
 GGUF = "gguf"
 
@@ -135,41 +134,72 @@ def _nbytes(w) -> int:
     return t.numel() * t.element_size()
 
 
+def sample_bytes() -> int:
+    """Bytes of weights timed per candidate: four times the last-level cache (a decode step streams the
+    model from memory, not from a cache), within [64 MB, 256 MB]; 128 MB where the size is unknown."""
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+        llc = int(text[:-1]) << {"K": 10, "M": 20}[text[-1]]
+    except (OSError, ValueError, KeyError, IndexError):
+        return 128 << 20
+    return min(max(4 * llc, 64 << 20), 256 << 20)
+
+
 def time_format(layout, candidate: str, float_dtype: torch.dtype, rows=ROWS, repeats: int = REPEATS,
-                sample_bytes: int = SAMPLE_BYTES) -> Dict[int, float]:
+                sample: Optional[int] = None) -> Dict[int, float]:
     """ms of one pass over every linear weight of ``layout``'s target in ``candidate`` (a float dtype's
     name, or "gguf": blocks where the file has a qlinear format, ``float_dtype`` elsewhere), at each
-    row count of ``rows``, with torch's current threads (see the module docstring)."""
+    row count of ``rows``, with torch's current threads (see the module docstring).
+
+    ``sample`` bytes (default :func:`sample_bytes`) of the candidate's weights are timed, half of them
+    layers spread over the model, half the lm_head's first rows (a small model's head is a good part of
+    its bytes); each part's time is scaled to the whole. A pass of more than one row costs mostly
+    arithmetic, so it runs on a quarter of the sample. The fastest of ``repeats`` passes counts (on a
+    shared machine, the uncontended cost)."""
     from poss.huge_pages import pack_on_huge_pages
     from poss.models.quant_weight import QuantWeight, project
 
+    sample = sample_bytes() if sample is None else sample
     dtype = float_dtype if candidate == GGUF else getattr(torch, candidate)
     n_layers = layout.n_layers
     per_layer = sum(_nbytes(_weight(m, 1, candidate, dtype)) * m.n for m in fused_matrices(layout, 0))
-    n_sample = max(1, min(n_layers, sample_bytes // max(per_layer, 1)))
+    n_sample = max(1, min(n_layers, sample // 2 // max(per_layer, 1)))
     # Layers spread over the model: a file may give some layers other formats than the rest.
-    mats = [m for j in range(n_sample) for m in fused_matrices(layout, j * n_layers // n_sample)]
+    mats = [fused_matrices(layout, j * n_layers // n_sample) for j in range(n_sample)]
     head = head_matrix(layout)
-    head_rows = max(1, min(head.n, sample_bytes // max(_nbytes(_weight(head, 1, candidate, dtype)), 1)))
-    weights = [_weight(m, m.n, candidate, dtype) for m in mats] + [_weight(head, head_rows, candidate, dtype)]
+    head_rows = max(1, min(head.n, sample // 2 // max(_nbytes(_weight(head, 1, candidate, dtype)), 1)))
+    flat = [m for layer in mats for m in layer]
+    weights = [_weight(m, m.n, candidate, dtype) for m in flat] + [_weight(head, head_rows, candidate, dtype)]
     # On 2 MB pages where the OS has them, as the runner keeps its weights (poss.huge_pages).
     packed = pack_on_huge_pages([getattr(w, "blocks", w) for w in weights])
     weights = [QuantWeight(p, w.format) if isinstance(w, QuantWeight) else p for w, p in zip(weights, packed)]
+    layer_w, head_w = weights[:-1], weights[-1]
+
+    def one_pass(m: int, n_layers_run: int, n_head_run: int) -> Tuple[float, float]:
+        xs = {k: torch.full((m, k), 0.5, dtype=dtype) for k in {w.k for w in flat + [head]}}
+        t0 = time.perf_counter()
+        for w, mat in zip(layer_w[: 4 * n_layers_run], flat):
+            project(xs[mat.k], w)
+        t1 = time.perf_counter()
+        project(xs[head.k], head_w if n_head_run == head_rows else _rows(head_w, n_head_run))
+        return t1 - t0, time.perf_counter() - t1
+
+    one_pass(1, n_sample, head_rows)  # touches every page once
     out = {}
     for m in rows:
-        xs = {k: torch.full((m, k), 0.5, dtype=dtype) for k in {w.k for w in mats + [head]}}
-        layers_s, head_s = math.inf, math.inf
-        for rep in range(repeats + 1):  # the first pass warms up
-            t0 = time.perf_counter()
-            for w, mat in zip(weights[:-1], mats):
-                project(xs[mat.k], w)
-            t1 = time.perf_counter()
-            project(xs[head.k], weights[-1])
-            t2 = time.perf_counter()
-            if rep:
-                layers_s, head_s = min(layers_s, t1 - t0), min(head_s, t2 - t1)
-        out[m] = 1e3 * (layers_s * n_layers / n_sample + head_s * head.n / head_rows)
+        n_run, h_run = (n_sample, head_rows) if m == 1 else (max(1, n_sample // 4), max(1, head_rows // 4))
+        best = [math.inf, math.inf]
+        for _ in range(repeats):
+            best = [min(b, t) for b, t in zip(best, one_pass(m, n_run, h_run))]
+        out[m] = 1e3 * (best[0] * n_layers / n_run + best[1] * head.n / h_run)
     return out
+
+
+def _rows(w, n: int):
+    """The first ``n`` rows of a float weight or of blocks (a view: nothing is copied)."""
+    from poss.models.quant_weight import QuantWeight
+
+    return QuantWeight(w.blocks[:n], w.format) if isinstance(w, QuantWeight) else w[:n]
 
 
 def measure(layout, candidates: List[str], float_dtype: torch.dtype, rows=ROWS) -> Timings:
