@@ -213,3 +213,30 @@ def test_a_gguf_target_keeps_the_draft_float_and_speculation_equals_its_ar_loop(
     res = spec.generate(prompts, 40)
     assert res.token_ids == ar.generate(prompts, 40).token_ids
     assert max(k for s in res.stats for k, c in enumerate(s.accept_hist) if c) >= 2  # trees really verified
+
+
+def test_poss_info_lists_the_cached_choices_without_timing(gguf_file, capsys):
+    import json
+    from types import SimpleNamespace
+
+    from poss.cli import info
+
+    assert info.dtype_auto() == {"float": FLOAT, "gguf_targets_timed": []}
+    choose_dtype(gguf_file, draft=False, timer=Timer(SPLIT))
+    capsys.readouterr()
+    assert info.run(SimpleNamespace()) == 0
+    shown = json.loads(capsys.readouterr().out)["dtype_auto"]
+    (entry,) = shown["gguf_targets_timed"]
+    assert entry["target"] == "tiny.gguf" and entry["threads"] == torch.get_num_threads()
+    assert (entry["plain"], entry["speculative"]) == (GGUF, FLOAT)
+    assert entry["ms"][GGUF] == {str(r): v for r, v in SPLIT[GGUF].items()}  # JSON keys are strings
+
+
+def test_the_cli_passes_auto_and_gguf_through_to_poss_load():
+    from types import SimpleNamespace
+
+    from poss.cli.args import model_dtype
+
+    assert model_dtype(SimpleNamespace(dtype="auto")) == "auto"
+    assert model_dtype(SimpleNamespace(dtype="gguf")) == "gguf"
+    assert model_dtype(SimpleNamespace(dtype="float32")) == torch.float32
