@@ -32,9 +32,11 @@ class Timer:
     def __init__(self, ms):
         self.ms, self.calls = ms, []
 
-    def __call__(self, layout, candidates, float_dtype):
+    def __call__(self, layout, candidates, float_dtype, rows):
         self.calls.append((layout.fingerprint, tuple(candidates), float_dtype))
-        return {c: dict(self.ms[c]) for c in candidates}
+        self.rows = tuple(rows)
+        # a verify of other rows than VERIFY_ROWS costs what VERIFY_ROWS does here
+        return {c: {r: self.ms[c].get(r, self.ms[c][VERIFY_ROWS]) for r in rows} for c in candidates}
 
 
 # gguf wins a one-row step, a float dtype wins the tree verify (as on a CPU with AMX)
@@ -52,7 +54,7 @@ def test_decide_weighs_one_row_without_a_draft_and_the_verify_rows_with_one():
 def test_candidates_are_auto_float_fp32_and_the_blocks(gguf_file):
     timer = Timer(SPLIT | {FLOAT: SPLIT["bfloat16"]})
     choose_dtype(gguf_file, draft=False, timer=timer)
-    (_, candidates, float_dtype), = timer.calls
+    ((_, candidates, float_dtype),) = timer.calls
     assert candidates == tuple(dict.fromkeys([FLOAT, "float32"])) + (GGUF,)
     assert float_dtype == getattr(torch, FLOAT)  # the gguf run's activations and other weights
 
@@ -71,6 +73,17 @@ def test_first_use_measures_and_logs_then_the_cache_answers(gguf_file, capsys):
     assert (spec.dtype, spec.rows, spec.source) == (FLOAT, VERIFY_ROWS, "cached")
     assert len(timer.calls) == 1
     assert spec.label().startswith(f"{spec.dtype} (cached: ") and f"at {VERIFY_ROWS} rows" in spec.label()
+
+
+def test_a_tree_of_other_rows_is_timed_at_its_own_rows(gguf_file):
+    timer = Timer(SPLIT)
+    choose_dtype(gguf_file, draft=True, timer=timer)
+    assert timer.rows == (1, VERIFY_ROWS)
+    wide = choose_dtype(gguf_file, draft=True, verify_rows=24, timer=timer)
+    assert (wide.source, wide.rows, timer.rows) == ("measured", 24, (1, 24))
+    assert choose_dtype(gguf_file, draft=True, verify_rows=24, timer=timer).source == "cached"
+    with pytest.raises(ValueError, match="verify_rows must be an int >= 2"):
+        choose_dtype(gguf_file, draft=True, verify_rows=1, timer=timer)
 
 
 def test_retune_measures_again_and_replaces_the_cache(gguf_file):
@@ -182,6 +195,12 @@ def test_load_auto_runs_what_the_timing_picked(as_gguf_target, monkeypatch):
     spec = poss.load(as_gguf_target / "target", draft=as_gguf_target / "draft", dtype="auto")
     assert spec.dtype_choice.dtype == FLOAT and spec.dtype_choice.source == "cached"
     assert not spec.runner.quantized and spec.runner.dtype == getattr(torch, FLOAT)
+    # A fixed tree is timed at the rows it verifies (num_nodes + lookup).
+    from poss.decode.params import TreeParams
+
+    fixed = poss.load(as_gguf_target / "target", draft=as_gguf_target / "draft", dtype="auto",
+                      tree=TreeParams(num_nodes=10, depth=3, lookup=4))
+    assert dtype_choice.measure.rows == (1, 14) and fixed.dtype_choice.rows == 14
 
 
 def test_an_explicit_dtype_times_nothing(as_gguf_target, monkeypatch):

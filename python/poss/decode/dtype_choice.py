@@ -10,14 +10,15 @@ The timing (:func:`time_format`) runs the target's own matrix shapes (fused q|k|
 layer, as the runner streams them, and the lm_head) with placeholder values in each candidate format:
 as many layers and lm_head rows as fill four times the last-level cache (a decode step streams the model
 from memory) and scaled up to the whole model (:func:`time_format`). Nothing of the model is loaded, so
-it costs a second or two. Each candidate is timed at 1 row (a plain decode step) and at
-:data:`VERIFY_ROWS` (a tree verify). Which row count decides (:func:`decide`): with a draft, the
-verify's, since every speculative round's target cost is one verify pass of the tree, while the
-draft's cost is the same whatever the target's format (drafts keep their float dtype); without a
-draft, the one-row step, which is every step.
+it costs a second or two. Each candidate is timed at 1 row (a plain decode step) and at a tree
+verify's rows (:data:`VERIFY_ROWS`, the shipped CPU trees', unless the load names a tree). Which row
+count decides (:func:`decide`): with a draft, the verify's, since every speculative round's target
+cost is one verify pass of the tree, while the draft's cost is the same whatever the target's format
+(drafts keep their float dtype); without a draft, the one-row step, which is every step.
 
 Cached as JSON under ``<poss cache>/autotune/dtype/`` (:func:`cache_key`: the CPU, the kernels each
-format runs, threads, the target's layout fingerprint); ``retune=True`` (``--retune``) measures again.
+format runs, threads, the target's layout fingerprint, the rows); ``retune=True`` (``--retune``)
+measures again.
 """
 
 import hashlib
@@ -32,7 +33,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 CACHE_VERSION = 1  # bump when what is measured changes: old cache files are then ignored
-VERIFY_ROWS = 16  # a tree verify's rows (shipped CPU trees verify 8-20 rows)
+# A tree verify's rows: the draft trees shipped for CPUs verify 6-8 (2/1 + a 4-6 token lookup chain,
+# drafts/*/trees.json). The paper's 60/6 and GPU trees verify 16-60, but on a CPU a verify's cost grows
+# with its rows, so the trees timed best there stay small.
+VERIFY_ROWS = 8
 ROWS = (1, VERIFY_ROWS)
 REPEATS = 3  # timed passes per row count (the fastest counts: on a shared machine, the uncontended cost)
 GGUF = "gguf"
@@ -69,9 +73,9 @@ def float_candidates(device="cpu") -> List[str]:
 
 
 def decide(ms: Timings, draft: bool) -> Tuple[str, int]:
-    """``(fastest candidate, the rows that decided)``: :data:`VERIFY_ROWS` with a draft, else 1 (see the
-    module docstring). Ties go to the earlier candidate (the float ones come first)."""
-    rows = VERIFY_ROWS if draft else 1
+    """``(fastest candidate, the rows that decided)``: the verify's rows (the most ``ms`` has) with a
+    draft, else 1 (see the module docstring). Ties go to the earlier candidate (the float ones come first)."""
+    rows = max(next(iter(ms.values()))) if draft else 1
     return min(ms, key=lambda c: ms[c][rows]), rows
 
 
@@ -209,7 +213,7 @@ def measure(layout, candidates: List[str], float_dtype: torch.dtype, rows=ROWS) 
 
 # -- cache -----------------------------------------------------------------------------------------
 
-def cache_key(layout, candidates: List[str], threads: int) -> Dict:
+def cache_key(layout, candidates: List[str], threads: int, rows=ROWS) -> Dict:
     """What the timings depend on: the CPU, the kernel each format runs, threads, the target's layout."""
     import poss_ext
     from poss import hardware
@@ -218,7 +222,7 @@ def cache_key(layout, candidates: List[str], threads: int) -> Dict:
     if GGUF in candidates:
         kernels[GGUF] = poss_ext.ops.cpu_qlinear_kernel()
     return {"method": CACHE_VERSION, "cpu": hardware.cpu_model(), "kernels": kernels, "threads": threads,
-            "target": layout.fingerprint, "rows": list(ROWS)}
+            "target": layout.fingerprint, "rows": list(rows)}
 
 
 def cache_dir() -> Path:
@@ -267,10 +271,11 @@ def log(msg: str) -> None:
 
 
 def choose_dtype(gguf_path: Optional[Path], draft: bool, retune: bool = False, device="cpu",
-                 timer: Optional[Callable[..., Timings]] = None) -> DtypeChoice:
+                 verify_rows: int = VERIFY_ROWS, timer: Optional[Callable[..., Timings]] = None) -> DtypeChoice:
     """``dtype="auto"``: "gguf" or a float dtype's name, for the target whose GGUF file is ``gguf_path``
-    (None: not a GGUF target) and a load with or without a draft. Times the candidates (``timer``,
-    default :func:`measure`, called as ``timer(layout, candidates, float_dtype)``) unless this machine
+    (None: not a GGUF target) and a load with or without a draft whose trees verify ``verify_rows``
+    rows. Times the candidates (``timer``, default :func:`measure`, called as
+    ``timer(layout, candidates, float_dtype, rows)``) unless this machine
     has them cached for this layout and thread count (``retune=True`` times them again). Nothing is
     timed off the CPU, for a target without a GGUF file or for a file without blocks poss runs: the
     answer is then :func:`poss.hardware.resolve_dtype`'s, as without this module."""
@@ -286,7 +291,10 @@ def choose_dtype(gguf_path: Optional[Path], draft: bool, retune: bool = False, d
         return DtypeChoice(floats[0], "no Q8_0/Q4_0/Q4_1 blocks in the file")
     candidates = floats + [GGUF]
     threads = torch.get_num_threads()
-    key = cache_key(layout, candidates, threads)
+    if not isinstance(verify_rows, int) or verify_rows < 2:
+        raise ValueError(f"verify_rows must be an int >= 2, got {verify_rows!r}")
+    rows = (1, verify_rows)
+    key = cache_key(layout, candidates, threads, rows)
     path = cache_path(key)
     ms = None if retune else _read(path, key)
     source = "cached"
@@ -297,7 +305,7 @@ def choose_dtype(gguf_path: Optional[Path], draft: bool, retune: bool = False, d
             f"{'s' if threads > 1 else ''}) to pick dtype auto; once, then cached")
         load = warn_if_busy("dtype auto")
         start = time.perf_counter()
-        ms = (timer or measure)(layout, candidates, getattr(torch, floats[0]))
+        ms = (timer or measure)(layout, candidates, getattr(torch, floats[0]), rows)
         source = "measured"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{time.time_ns()}.tmp")

@@ -64,7 +64,10 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
     if dtype == "auto":
         from poss.decode.dtype_choice import choose_dtype
 
-        choice = choose_dtype(local_gguf(target), draft is not None, retune=retune, device=device)
+        # A fixed tree verifies its own rows (num_nodes + lookup); "auto" trees, the shipped CPU trees'.
+        rows = {} if not isinstance(tree, TreeParams) or tree.num_nodes + tree.lookup < 2 else {
+            "verify_rows": tree.num_nodes + tree.lookup}
+        choice = choose_dtype(local_gguf(target), draft is not None, retune=retune, device=device, **rows)
         dtype = choice.dtype
     blocks = None
     if dtype == "gguf":
