@@ -18,7 +18,11 @@ FLOAT = float_candidates()[0]  # what auto is without blocks on this CPU
 
 @pytest.fixture(autouse=True)
 def cache(tmp_path, monkeypatch):
+    """A fresh cache, and a quiet machine (the busy warning is tested on its own)."""
+    from poss import hardware
+
     monkeypatch.setenv("POSS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(hardware, "others_load", lambda: 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -259,3 +263,16 @@ def test_the_cli_passes_auto_and_gguf_through_to_poss_load():
     assert model_dtype(SimpleNamespace(dtype="auto")) == "auto"
     assert model_dtype(SimpleNamespace(dtype="gguf")) == "gguf"
     assert model_dtype(SimpleNamespace(dtype="float32")) == torch.float32
+
+
+def test_a_busy_machine_warns_and_the_load_is_kept_with_the_timings(gguf_file, monkeypatch):
+    import json
+
+    from poss import hardware
+
+    monkeypatch.setattr(hardware, "others_load", lambda: 99.0)
+    monkeypatch.setattr(hardware, "load_average", lambda: 99.5)
+    with pytest.warns(RuntimeWarning, match=r"dtype auto: the machine is busy \(load average 99.5.*--retune"):
+        choose_dtype(gguf_file, draft=False, timer=Timer(SPLIT))
+    (path,) = dtype_choice.cache_dir().glob("*.json")
+    assert json.loads(path.read_text())["load_average"] == 99.5

@@ -266,6 +266,22 @@ def cached_choices() -> List[Dict]:
     return out
 
 
+def _warn_if_busy() -> Optional[float]:
+    """Warn when other work keeps every usable core busy (the timings, and the choice, may then be off);
+    returns the load average, kept with the timings."""
+    import warnings
+
+    from poss import hardware
+
+    load, cores = hardware.load_average(), hardware.usable_cores()
+    if load is not None and hardware.others_load() >= cores:
+        warnings.warn(f"dtype auto: the machine is busy (load average {load:.1f} on {cores} cores), so the "
+                      "timings of the formats and the dtype picked from them may be off; they are cached: time "
+                      "again with --retune (poss.load(..., retune=True)) when the machine is quiet",
+                      RuntimeWarning, stacklevel=3)
+    return load
+
+
 def log(msg: str) -> None:
     print(f"poss: {msg}", file=sys.stderr, flush=True)
 
@@ -299,11 +315,9 @@ def choose_dtype(gguf_path: Optional[Path], draft: bool, retune: bool = False, d
     ms = None if retune else _read(path, key)
     source = "cached"
     if ms is None:
-        from poss.decode.autotune import warn_if_busy
-
         log(f"timing the target's weights as {', '.join(candidates)} on this CPU ({threads} thread"
             f"{'s' if threads > 1 else ''}) to pick dtype auto; once, then cached")
-        load = warn_if_busy("dtype auto")
+        load = _warn_if_busy()
         start = time.perf_counter()
         ms = (timer or measure)(layout, candidates, getattr(torch, floats[0]), rows)
         source = "measured"
