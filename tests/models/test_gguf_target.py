@@ -102,22 +102,84 @@ def test_greedy_speculation_is_identical_to_the_ar_loop_on_the_quantized_target(
     assert max(k for s in res.stats for k, c in enumerate(s.accept_hist) if c) >= 2
 
 
-def test_sampling_follows_the_quantized_target():
-    """The chi-square test of tests/decode/test_loop_sampling.py on a q4_1 target: the first three sampled
-    tokens of speculation follow the distribution of the model the blocks decode to."""
+@pytest.mark.parametrize("fmt, draft_vocab", [("q4_1", 0), pytest.param("q4_0", 12, marks=pytest.mark.slow)])
+def test_sampling_follows_the_quantized_target(fmt, draft_vocab):
+    """The chi-square test of tests/decode/test_loop_sampling.py on a quantized target (its lm_head too,
+    so the draft's head runs the target's head blocks, all rows or a reduced vocabulary's): the first
+    three sampled tokens of speculation follow the distribution of the model the blocks decode to."""
     from helpers.sampling import V, chi2_pvalue, exact_distribution, sample
 
     model = tiny_target(vocab=V, seed=3)
     with torch.no_grad():
         model.lm_head.weight.mul_(6.0)
-    blocks = quantize_in_place(model, "q4_1")
+    blocks = quantize_in_place(model, fmt)
     probs = exact_distribution(model)
     runner = TargetRunner(model, max_batch=1, max_seq=64, dtype=torch.float32, quantized=blocks)
-    gen = Generator(runner, draft=random_draft(runner, n=3, ppl=1, aligned=True))
+    gen = Generator(runner, draft=random_draft(runner, n=3, ppl=1, aligned=True, draft_vocab=draft_vocab))
+    assert gen.draft._head_blocks is not None
     counts, accepted = sample(gen, calls=40, depth=3, num_nodes=12, beam_width=4)
     assert counts[probs == 0].sum() == 0
     assert chi2_pvalue(counts, probs) > 1e-3
     assert 0 < accepted < 2 * counts.sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_reduced_vocab_draft_scores_the_target_head_rows_exactly(quantized, dtype):
+    """The draft's head on a quantized lm_head: the rows of its token map, gathered as whole block rows,
+    decode to the file's values exactly, and its logits are the target head's columns bit for bit."""
+    model, blocks, fmt = quantized
+    runner = TargetRunner(model, max_batch=1, max_seq=64, dtype=dtype, quantized=blocks)
+    draft = random_draft(runner, n=1, draft_vocab=100)
+    head = draft._head_blocks
+    assert head.format == fmt and head.blocks.shape[0] == 100
+    assert torch.equal(head.dequantize(), blocks["lm_head.weight"].dequantize()[draft.token_map])
+    x = torch.randn(5, runner.hidden_size).to(dtype)
+    assert torch.equal(draft.logits(x), runner.logits(x)[:, draft.token_map])
+    # A float target keeps the float rows.
+    assert random_draft(TargetRunner(model, max_batch=1, max_seq=64, dtype=dtype), draft_vocab=100)._head_blocks is None
+
+
+def test_bad_blocks_are_refused_at_load_naming_the_weight():
+    model = tiny_target()
+    blocks = quantize_in_place(model, "q4_1")
+    name = "model.layers.1.mlp.down_proj.weight"
+    good = blocks[name]
+
+    def runner_with(q, key=name):
+        return TargetRunner(model, max_batch=1, max_seq=64, dtype=torch.float32, quantized={**blocks, key: q})
+
+    short = QuantWeight(good.blocks[:, :-20].contiguous(), "q4_1")  # one block of 32 weights short per row
+    with pytest.raises(ValueError, match=rf"quantized\['{name}'\]: q4_1 blocks .* expected \[256, 192\]"):
+        runner_with(short)
+    with pytest.raises(ValueError, match="expected"):
+        runner_with(QuantWeight(good.blocks[:-1].contiguous(), "q4_1"))  # a row missing
+    with pytest.raises(ValueError, match="not a whole number of q4_1 blocks"):
+        QuantWeight(good.blocks[:, :-3].contiguous(), "q4_1")
+    for field, at in (("scale", 0), ("min", 2)):
+        bad = good.blocks.clone()
+        bad[7, 3 * 20 + at: 3 * 20 + at + 2] = torch.tensor([float("nan")], dtype=torch.float16).view(torch.uint8)
+        with pytest.raises(ValueError, match=rf"{name}.*1 q4_1 block\(s\) with an inf or NaN {field}, "
+                                             "the first at row 7, block 3"):
+            runner_with(QuantWeight(bad, "q4_1"))
+    with pytest.raises(ValueError, match="'model.layers.9.mlp.up_proj.weight' is not a weight"):
+        runner_with(good, "model.layers.9.mlp.up_proj.weight")
+
+
+def test_a_gguf_file_with_an_inf_scale_is_refused_naming_the_tensor(tmp_path):
+    from gguf import GGUFReader
+
+    from helpers.gguf_files import write_gguf
+    from poss.models.gguf_weights import read_gguf_linears
+
+    path = write_gguf(tiny_target(), tmp_path / "bad.gguf", layers="q8_0")
+    t = next(t for t in GGUFReader(str(path)).tensors if t.name == "blk.1.ffn_up.weight")
+    data = bytearray(path.read_bytes())
+    at = t.data_offset + 2 * 8 * 34 + 34  # row 2 (of 8 blocks), block 1: its fp16 scale
+    data[at:at + 2] = torch.tensor([float("inf")], dtype=torch.float16).view(torch.uint8).numpy().tobytes()
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"bad.gguf: tensor blk.1.ffn_up.weight: 1 q8_0 block\(s\) with an inf "
+                                         r"or NaN scale, the first at row 2, block 1"):
+        read_gguf_linears(path, 4, 2)
 
 
 def test_gguf_dtype_needs_a_gguf_file_and_the_cpu(tmp_path):

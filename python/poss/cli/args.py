@@ -223,7 +223,7 @@ DRAFT_VOCAB_HELP = ("the rows of the target's lm_head a reduced-vocabulary draft
 
 
 RETUNE_HELP = ("time tree sizes on this machine now (about a minute, as `poss tune`; refused while other work "
-               "holds the cores) and use the result")
+               "holds the cores) and use the result; with --dtype auto, time the dtype choice again too")
 
 
 def target_help() -> str:
@@ -283,7 +283,9 @@ DTYPES = {
     # The models' dtype at inference (poss.hardware.resolve_dtype).
     "run": (("auto", "float32", "bfloat16", "float16", "gguf"), "auto",
             "the models' weights and activations; auto: bfloat16 on CUDA or a CPU with AMX, AVX512-BF16 or "
-            "AVX2+FMA, else float32; gguf: the GGUF file's own Q8_0/Q4_0/Q4_1 blocks (CPU), other weights as auto"),
+            "AVX2+FMA, else float32, except for a GGUF target with Q8_0/Q4_0/Q4_1 blocks on a CPU: the fastest "
+            "of those, float32 and gguf, timed once per machine and threads (a second or two; --retune times "
+            "again); gguf: the GGUF file's own Q8_0/Q4_0/Q4_1 blocks (CPU), other weights as auto's float dtype"),
     # Training runs torch's own GEMMs (bf16 fast only with hardware bf16) and has no fp16 loss scaling.
     "train": (("auto", "float32", "bfloat16"), "auto",
               "target features and mixed precision; auto: bfloat16 on CUDA or a CPU with AMX/AVX512-BF16, "
@@ -408,10 +410,11 @@ def draft_vocabs() -> Tuple[str, ...]:
 
 
 def model_dtype(args, device: str = "cpu"):
-    """``--dtype`` as ``poss.load`` takes it: ``"gguf"`` as given (the file's blocks), else a torch dtype."""
+    """``--dtype`` as ``poss.load`` takes it: ``"gguf"`` (the file's blocks) and ``"auto"`` (poss.load picks,
+    timing a GGUF target's formats on a CPU) as given, else a torch dtype."""
     from poss.hardware import resolve_dtype
 
-    return "gguf" if args.dtype == "gguf" else resolve_dtype(args.dtype, device)
+    return args.dtype if args.dtype in ("gguf", "auto") else resolve_dtype(args.dtype, device)
 
 
 def set_threads(args) -> None:

@@ -93,8 +93,8 @@ def load(args):
 
 
 def speed_line(result, gen=None) -> str:
-    """``[tokens, seconds, tokens/s, tau; the tree (and where auto took it from); the weight formats when
-    some run on GGUF blocks; threads]``."""
+    """``[tokens, seconds, tokens/s, tau; the tree (and where auto took it from); the dtype auto picked
+    and its timings, when it timed the formats; the weight formats when some run on GGUF blocks; threads]``."""
     import torch
 
     from poss.decode.autotune import tree_label
@@ -110,6 +110,9 @@ def speed_line(result, gen=None) -> str:
         auto = getattr(gen, "auto_choice", None)
         if auto is not None and auto.tree == result.tree:
             line += f" (auto: {auto.source})"
+    choice = getattr(gen, "dtype_choice", None)
+    if choice is not None and choice.ms:  # dtype auto was timed: what it picked, and the timings
+        line += f"; dtype {choice.label()}"
     runner = getattr(gen, "runner", None)
     formats = runner.weight_formats() if hasattr(runner, "weight_formats") else {}
     if any(f.startswith("q") for f in formats):  # --dtype gguf: say which weights ran on the file's blocks

@@ -91,6 +91,8 @@ class Generator:
         self.default_tree: Union[TreeParams, str] = TreeParams()
         self._auto_trees: Dict[tuple, autotune.AutoTree] = {}
         self.auto_choice: Optional[autotune.AutoTree] = None  # what "auto" last resolved to, and why
+        # What poss.load's dtype="auto" resolved to, and why (poss.decode.dtype_choice); None: given
+        self.dtype_choice = None
         self.draft_dir: Optional[Path] = None  # the draft's folder (poss.load sets it): its shipped trees
         self.speculate_max_batch = None
         self._limits: Dict[tuple, Optional[int]] = {}

@@ -21,8 +21,12 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
     :func:`poss.models.registry.shipped_draft` names the draft shipped for a registry target.
     ``dtype``: ``"auto"`` (the default) runs in bf16 on CUDA and on CPUs with hardware bf16 (AMX /
     AVX512-BF16) or AVX2 + FMA (``poss.linear``'s AVX2 bf16 kernel), else fp32
-    (:func:`poss.hardware.resolve_dtype`); a name (``"bf16"``) or a torch dtype
-    is used as given; ``"gguf"`` (CPU only, a registry target or a .gguf file) runs the file's own Q8_0 /
+    (:func:`poss.hardware.resolve_dtype`), except on a CPU for a target whose GGUF file holds blocks
+    poss runs: then the fastest of that float dtype, fp32 and ``"gguf"`` by a short timing of the
+    target's weight shapes on this CPU and thread count (once, cached; ``retune`` times again;
+    :func:`poss.decode.dtype_choice.choose_dtype`), recorded in the generator's ``dtype_choice``;
+    a name (``"bf16"``) or a torch dtype is used as given, and nothing is timed; ``"gguf"`` (CPU
+    only, a registry target or a .gguf file) runs the file's own Q8_0 /
     Q4_0 / Q4_1 blocks through :func:`poss_ext.ops.qlinear`, with the activations, the cache and any
     weight in another format in ``"auto"``'s float dtype (:meth:`TargetRunner.weight_formats` says which).
     ``tree``: the generator's ``default_tree``: ``"auto"`` (the default) is the tree
@@ -32,7 +36,8 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
     ``speculate_max_batch``: the generator's :attr:`~Generator.speculate_max_batch`: calls with more
     live requests decode plainly; ``"auto"`` (the default) is this machine's timing or the shipped
     default likewise, None always speculates. ``retune``: time this machine now (``tune``, about a
-    minute; refused with a warning while other work holds the cores). ``threads``: torch's CPU threads:
+    minute; refused with a warning while other work holds the cores; with ``dtype="auto"`` the dtype
+    choice too). ``threads``: torch's CPU threads:
     ``"auto"`` (the default) at most the usable cores other work leaves free
     (:func:`poss.hardware.default_threads`; a lower count already set stays), an int, or None to leave
     torch's setting. ``compile``:
@@ -52,12 +57,23 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
     from poss.models.target import TargetRunner
 
     set_threads(threads, device)
+    if not (isinstance(dtype, str) and dtype in ("auto", "gguf")):
+        resolve_dtype(dtype, device)  # a bad dtype is refused before anything loads
+    path = resolve(target)  # fetches and converts a registry target's file first
+    choice = None
+    if dtype == "auto":
+        from poss.decode.dtype_choice import choose_dtype
+
+        # A fixed tree verifies its own rows (num_nodes + lookup); "auto" trees, the shipped CPU trees'.
+        rows = {} if not isinstance(tree, TreeParams) or tree.num_nodes + tree.lookup < 2 else {
+            "verify_rows": tree.num_nodes + tree.lookup}
+        choice = choose_dtype(local_gguf(target), draft is not None, retune=retune, device=device, **rows)
+        dtype = choice.dtype
     blocks = None
     if dtype == "gguf":
         blocks = gguf_blocks(target, device)
         dtype = "auto"
     dtype = resolve_dtype(dtype, device)
-    path = resolve(target)
     # An fp16 runner converts from fp32 weights, whose fingerprint matches the drafts' (TargetRunner).
     tokenizer, model = load_model(path, dtype=torch.float32 if dtype == torch.float16 else dtype, device=device)
     # Small initial caches: the generator grows them to each call's batch and length.
@@ -71,6 +87,7 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
                     generation_config=getattr(model, "generation_config", None),
                     datastore=load_datastore(datastore, target, runner))
     gen.draft_dir = Path(draft) if draft is not None else None
+    gen.dtype_choice = choice
     gen.default_tree = tree
     gen.speculate_max_batch = speculate_max_batch
     if compile:
@@ -99,6 +116,18 @@ def set_threads(threads: Union[int, str, None], device="cpu") -> None:
         return
     # "auto" only lowers: a count the caller (or OMP_NUM_THREADS) set lower stays.
     torch.set_num_threads(min(torch.get_num_threads(), default_threads()) if threads == "auto" else threads)
+
+
+def local_gguf(target: Union[str, Path]) -> Optional[Path]:
+    """The GGUF file behind ``target`` when it is on this machine (a registry target's fetched file, a
+    .gguf path), else None: ``dtype="auto"`` never downloads a file to time it."""
+    from poss.models.registry import REGISTRY, gguf_path
+
+    if isinstance(target, str) and target in REGISTRY:
+        path = gguf_path(target)
+        return path if path.is_file() else None
+    path = Path(target).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
 
 
 def gguf_blocks(target: Union[str, Path], device):

@@ -21,6 +21,7 @@ from poss.models.draft_config import DRAFT_VOCABS, DraftConfig
 from poss.models.draft_interop import load_foreign
 from poss.models.kv_cache import StaticKVCache
 from poss.models.published import layout_of
+from poss.models.quant_weight import QuantWeight, project
 from poss.models.specialist import Specialist, fuse
 
 
@@ -42,6 +43,7 @@ class PosSDraft(nn.Module):
         else:
             self.token_map = None
         self._head: Optional[Tensor] = None  # the lm_head rows the draft scores, cached at attach
+        self._head_blocks: Optional[QuantWeight] = None  # the same rows as GGUF blocks, when the target has them
         self._target = None  # (embed [V, H], lm_head [V, H], inv_freq [D/2]) borrowed from the target
         self.caches: Optional[StaticKVCache] = None
 
@@ -56,13 +58,25 @@ class PosSDraft(nn.Module):
             raise ValueError(f"draft hidden {self.config.hidden} != target hidden {runner.hidden_size}")
         if runner.lm_head.shape[0] != self.config.vocab:
             raise ValueError(f"draft vocabulary {self.config.vocab} != target vocabulary {runner.lm_head.shape[0]}")
-        return self.attach_tensors(runner.embed, runner.lm_head, runner.inv_freq, max_batch, max_seq)
+        blocks = getattr(runner, "lm_head_blocks", None)
+        return self.attach_tensors(runner.embed, runner.lm_head, runner.inv_freq, max_batch, max_seq,
+                                   head_blocks=blocks)
 
     def attach_tensors(self, embed: Tensor, lm_head: Tensor, inv_freq: Tensor, max_batch: int,
-                       max_seq: int) -> "PosSDraft":
-        """:meth:`attach` without the target check: embed / lm_head ``[V, H]``, inv_freq ``[D/2] float32``."""
+                       max_seq: int, head_blocks: Optional[QuantWeight] = None) -> "PosSDraft":
+        """:meth:`attach` without the target check: embed / lm_head ``[V, H]``, inv_freq ``[D/2] float32``;
+        ``head_blocks``: the same lm_head as GGUF blocks (a target loaded with ``dtype="gguf"`` whose file
+        quantizes it), which the draft's head then runs instead (:meth:`logits`)."""
         self._target = (embed, lm_head, inv_freq)
         self._head = self.head_rows(lm_head)
+        # A row of blocks decodes to that row alone (blocks run along K), so gathering whole rows of
+        # blocks keeps the file's values exactly, and the head streams the file's bytes, not a float copy.
+        self._head_blocks = None
+        if head_blocks is not None:
+            rows = head_blocks.blocks
+            if self.token_map is not None:
+                rows = rows.index_select(0, self.token_map.to(rows.device))
+            self._head_blocks = QuantWeight(rows, head_blocks.format)
         if lm_head.device.type == "cpu":
             self._move_weights_to_huge_pages()
         self.caches = None
@@ -75,11 +89,15 @@ class PosSDraft(nn.Module):
         # EPYC, one thread). The parameters stay parameters; only their storage moves.
         params = list(self.parameters())
         own_head = self.token_map is not None  # else the head is the target's lm_head, already moved
-        packed = pack_on_huge_pages([p.data for p in params] + ([self._head] if own_head else []))
+        blocks = self._head_blocks is not None and own_head
+        heads = ([self._head] if own_head else []) + ([self._head_blocks.blocks] if blocks else [])
+        packed = pack_on_huge_pages([p.data for p in params] + heads)
         for p, t in zip(params, packed):
             p.data = t
         if own_head:
-            self._head = packed[-1]
+            self._head = packed[len(params)]
+        if blocks:
+            self._head_blocks = QuantWeight(packed[-1], self._head_blocks.format)
 
     def ensure_caches(self, batch: int, max_seq: int) -> None:
         """Make the specialists' KV caches hold ``batch`` rows of ``max_seq`` slots (contents are lost on growth)."""
@@ -143,8 +161,12 @@ class PosSDraft(nn.Module):
         """Target lm_head over the specialist output (no norm in between): ``[..., K]`` over the draft
         vocabulary (``K = V`` without a token map; map indices back with :meth:`full_ids`)."""
         self.target  # noqa: B018  (raises when not attached)
+        training = torch.is_grad_enabled() and out_features.requires_grad
+        if (self._head_blocks is not None and not training and out_features.device.type == "cpu"
+                and out_features.dtype in (torch.float32, torch.bfloat16)):
+            return project(out_features, self._head_blocks)  # the target's quantized rows (attach_tensors)
         head = self._head.to(out_features.dtype)
-        if torch.is_grad_enabled() and out_features.requires_grad:
+        if training:
             return out_features @ head.t()  # training: poss::linear has no backward
         return poss_ext.ops.linear(out_features, head)
 

@@ -38,6 +38,25 @@ class QuantWeight:
     def shape(self) -> Tuple[int, int]:
         return self.blocks.shape[0], self.blocks.shape[1] // QFORMAT_BLOCK_BYTES[self.format] * QBLOCK
 
+    def check(self, name: str, shape: Optional[Tuple[int, int]] = None) -> "QuantWeight":
+        """Raise ``ValueError`` naming ``name`` unless the blocks are ``shape`` ``(N, K)`` (when given) and
+        every scale (and Q4_1 min) is finite: at load time, before a forward meets them in
+        :func:`poss_ext.ops.qlinear`. Returns self."""
+        if shape is not None and tuple(self.shape) != tuple(shape):
+            raise ValueError(f"{name}: {self.format} blocks {tuple(self.blocks.shape)} hold a [{self.shape[0]}, "
+                             f"{self.shape[1]}] weight, expected [{shape[0]}, {shape[1]}] (K must be a multiple of "
+                             f"{QBLOCK}, each row K / {QBLOCK} blocks of {QFORMAT_BLOCK_BYTES[self.format]} bytes)")
+        n = self.blocks.shape[0]
+        b = self.blocks.reshape(n, -1, QFORMAT_BLOCK_BYTES[self.format])
+        fields = {"scale": b[..., 0:2]} | ({"min": b[..., 2:4]} if self.format == "q4_1" else {})
+        for what, raw in fields.items():
+            bad = ~torch.isfinite(raw.contiguous().view(torch.float16))
+            if bad.any():
+                row, block = (int(i) for i in bad.nonzero()[0][:2])
+                raise ValueError(f"{name}: {int(bad.sum())} {self.format} block(s) with an inf or NaN {what}, "
+                                 f"the first at row {row}, block {block}")
+        return self
+
     def dequantize(self) -> Tensor:
         """The weights ``[N, K] float32``, exactly as gguf decodes them."""
         return poss_ext.reference.dequantize(self.blocks, self.format)

@@ -121,8 +121,10 @@ class TargetRunner:
             no-op where the OS cannot): a decode step streams them all, and 4 KB pages cost TLB misses.
         quantized: HF parameter name -> GGUF blocks (:func:`poss.models.gguf_weights.read_gguf_linears`):
             those projections (and ``lm_head.weight``'s logits) run :func:`poss_ext.ops.qlinear` on the
-            blocks, CPU only; ``hf_model`` holds the same weights dequantised, for everything else. The
-            draft still reads the float lm_head (:attr:`lm_head`).
+            blocks, CPU only; ``hf_model`` holds the same weights dequantised, for everything else. A
+            draft's head runs the rows it scores of :attr:`lm_head_blocks` (:meth:`PosSDraft.attach_tensors`).
+            Blocks of the wrong shape for their weight, or with an inf / NaN scale, are a ``ValueError``
+            naming the weight.
     """
 
     def __init__(self, hf_model, max_batch: int, max_seq: int, dtype: Optional[torch.dtype] = None,
@@ -152,12 +154,19 @@ class TargetRunner:
         if quantized and self.device.type != "cpu":
             raise ValueError(f"quantized (GGUF block) weights run on the CPU only, the model is on {self.device}")
         quantized = quantized or {}
+        for name, q in quantized.items():
+            # At load, naming the weight: a forward would only meet a bad scale in poss::qlinear.
+            try:
+                want = hf_model.get_parameter(name)
+            except AttributeError:
+                raise ValueError(f"quantized: {name!r} is not a weight of this model") from None
+            q.check(f"quantized[{name!r}]", tuple(want.shape))
         self.layers: List[LayerParams] = [layer_params(l, self.dtype, quantized, f"model.layers.{i}.")
                                           for i, l in enumerate(hf_model.model.layers)]
         self.embed = hf_model.model.embed_tokens.weight.detach().to(self.dtype)
         self.final_norm_w = hf_model.model.norm.weight.detach().to(self.dtype).contiguous()
         self.lm_head = hf_model.lm_head.weight.detach().to(self.dtype)
-        # The logits' lm_head as blocks (the draft keeps reading the float one above).
+        # The logits' lm_head as blocks (the float one above stays: the embedding of a tied head, training).
         self.lm_head_blocks: Optional[QuantWeight] = quantized.get("lm_head.weight")
         self.quantized = self.lm_head_blocks is not None or any(
             isinstance(w, QuantWeight) for p in self.layers for w in vars(p).values())
