@@ -159,3 +159,25 @@ def test_a_draft_and_a_runner_that_do_not_fit_are_clear_errors(model, runner):
     cfg = DraftConfig.for_target(runner.config, "tiny", runner.fingerprint())
     wide = torch.randn(1, 3, 1024)
     assert torch.equal(PosSDraft(cfg).draft_input(wide), wide[..., :256])
+
+
+def test_poss_load_runs_an_eagle3_draft_folder_losslessly(tmp_path):
+    """``poss.load(target, draft=FOLDER)`` sets the runner's layers from the draft, then decodes as the AR loop."""
+    import poss
+    from helpers.targets import tiny_chat_folder
+    from poss.decode.params import TreeParams
+    from poss.testing import random_draft
+
+    root = tiny_chat_folder(tmp_path)
+    from transformers import AutoModelForCausalLM
+
+    runner = TargetRunner(AutoModelForCausalLM.from_pretrained(root / "target"), 1, 64)
+    random_draft(runner, n=3, ppl=1, aligned=True, features="eagle3", feature_layers=(2, 0, 1)).save(tmp_path / "d")
+    kw = dict(dtype=torch.float32, tree=TreeParams(num_nodes=12, depth=4, beam_width=4), speculate_max_batch=None,
+              datastore=None, threads=1)
+    gen = poss.load(root / "target", draft=tmp_path / "d", **kw)
+    assert gen.runner.feature_layers == (2, 0, 1) and gen.draft.config.features == "eagle3"
+    prompts = ["Hello there", "What is two plus two?"]
+    got = gen.generate(prompts, 24)
+    want = poss.load(root / "target", **kw).generate(prompts, 24)
+    assert got.token_ids == want.token_ids and all(s.draft_tokens > 0 for s in got.stats)  # it drafted

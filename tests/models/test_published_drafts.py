@@ -375,6 +375,26 @@ def test_imported_eagle3_decodes_losslessly(deep_model, tmp_path):
         assert ids == hf_greedy(deep_model, p, 24)
 
 
+def test_an_eagle3_draft_trained_by_poss_exports_and_loads_back(deep_model, tmp_path):
+    """A one-layer `eagle3` draft in poss's format -> the published layout -> the same tensors and tokens;
+    PosS on EAGLE-3 features (several layers) and the EAGLE-2 layouts are refused."""
+    runner = TargetRunner(deep_model, 1, 64)
+    ours = random_draft(runner, n=1, aligned=True, features="eagle3", draft_vocab=120)
+    ours.save(tmp_path / "ours")
+    export_draft(tmp_path / "ours", "eagle3", tmp_path / "pub")
+    assert layout_of(tmp_path / "pub") == "eagle3"
+    assert json.loads((tmp_path / "pub" / "config.json").read_text())["draft_vocab_size"] == 120
+    back = PosSDraft.load(tmp_path / "pub")
+    assert_same_tensors(back.state_dict(), ours.state_dict())
+    prompts = eval_prompts(1, 24, 300)[:2]
+    assert decode(runner, back, prompts) == decode(runner, PosSDraft.load(tmp_path / "ours"), prompts)
+    with pytest.raises(ValueError, match="only the eagle3 layout"):
+        export_draft(tmp_path / "ours", "eagle", tmp_path / "no")
+    random_draft(runner, n=3, features="eagle3").save(tmp_path / "poss3")
+    with pytest.raises(ValueError, match="one EAGLE-3 layer over three target layers.*3 specialist"):
+        export_draft(tmp_path / "poss3", "eagle3", tmp_path / "no")
+
+
 def test_eagle3_partial_or_inconsistent_is_refused(tmp_path):
     folder, state = random_eagle3(tmp_path / "a")
     write_weights(folder, {k: v for k, v in state.items() if k not in ("t2d", "midlayer.hidden_norm.weight")})

@@ -175,7 +175,13 @@ def test_training_reduces_the_loss_and_saves_a_runnable_draft(tmp_path, method):
     # The saved draft decodes on the target (lossless greedy: the AR loop's tokens).
     from poss.decode.generator import Generator
 
-    runner = tiny_target(max_batch=1, max_seq=64)
+    runner = tiny_target(max_batch=2, max_seq=64)
+    # `poss train --validate` on it: the runner is given the draft's layers, the EAGLE-3 loss is reported.
+    from poss.train.validate import validate_draft
+
+    v = validate_draft(tmp_path / "draft", runner, tr.val, steps=4)
+    assert len(v["acc"]) == 4 and v["vloss"] == [0.0] * 4 and runner.feature_layers == tuple(LAYERS)
+    runner.set_feature_layers(None)
     ar = Generator(runner, end_ids=set()).generate([[5, 9, 17, 3]], 12).token_ids
     runner.set_feature_layers(d.feature_layers_for(2))
     gen = Generator(runner, draft=d.attach(runner, 1, 64), end_ids=set())

@@ -92,7 +92,8 @@ class PosSDraft(nn.Module):
                        max_seq: int) -> "PosSDraft":
         """:meth:`attach` without the target check: embed / lm_head ``[V, H]``, inv_freq ``[D/2] float32``."""
         self._target = (embed, lm_head, inv_freq)
-        self._head = self.head_rows(lm_head)
+        # An EAGLE-3 draft scores with its own lm_head (a parameter: stored here it would be registered twice).
+        self._head = None if self.eagle3 else self.head_rows(lm_head)
         if lm_head.device.type == "cpu":
             self._move_weights_to_huge_pages()
         self.caches = None
