@@ -251,3 +251,23 @@ def test_cli_flags():
     assert (cfg.steps, cfg.n_specialists, cfg.position_weights, cfg.p_weight) == (7, 1, "eagle3", 1.0)
     with pytest.raises(ValueError, match="EAGLE-3 features train with"):
         TrainConfig(method="hass", draft_features="eagle3")
+
+
+def test_poss_on_eagle3_starts_from_a_trained_eagle3_draft(tmp_path):
+    kw = dict(n_train=2, batch_size=2, epochs=1, draft_features="eagle3", feature_layers=LAYERS)
+    make_trainer(tmp_path / "e3", method="eagle3", steps=2, **kw).fit()
+    src = tmp_path / "e3" / "draft"
+    from poss.models.draft import PosSDraft
+
+    e3 = PosSDraft.load(src)
+    tp = make_trainer(tmp_path / "p", method="poss", steps=3, ppl=1, init_from=str(src), **kw)
+    d = tp.draft
+    assert d.config.n_specialists == 3 and d.config.features == "eagle3"
+    for name in ("fc.weight", "norm", "lm_head.weight"):
+        assert torch.equal(d.state_dict()[name], e3.state_dict()[name]), name
+    for layer in d.layers:
+        for (n, a), (_, b) in zip(layer.state_dict().items(), e3.layers[0].state_dict().items()):
+            assert torch.equal(a, b), n
+    make_trainer(tmp_path / "e2", method="eagle2", steps=1, n_train=2, batch_size=2, epochs=1).fit()
+    with pytest.raises(ValueError, match="on 'last' features cannot start one on 'eagle3'"):
+        make_trainer(tmp_path / "q", method="poss", steps=3, ppl=1, init_from=str(tmp_path / "e2" / "draft"), **kw)

@@ -201,9 +201,14 @@ def run(args) -> int:
                       max_batches=args.max_batches, validate_every_epoch=args.validate_every_epoch,
                       autocast=draft_autocast(runner.dtype), draft_features=args.draft_features,
                       feature_layers=args.feature_layers)
+    feature_cache = data.feature_cache
+    if args.features == "online" and cfg.draft_features == "eagle3":
+        # A distill folder's cache holds final-norm features only: EAGLE-3 features would fill a second cache
+        # (about 4 * H * 2 bytes a token) unless asked to run the target every batch.
+        feature_cache = None
     trainer = Trainer(runner, cfg, data.train, data.val, args.out,
                       target_name=args.target if isinstance(args.target, str) else "", init_from=args.init_from,
-                      feature_cache=data.feature_cache, info=info, data_info=data.info, token_map=token_map,
+                      feature_cache=feature_cache, info=info, data_info=data.info, token_map=token_map,
                       train_ids=data.train_ids)
     if args.resume and trainer.resume() and info.main:
         print(f"resumed at step {trainer.progress['step']} (epoch {trainer.progress['epoch']})", file=sys.stderr)
