@@ -1,6 +1,6 @@
-// poss::decoder_layer and poss::specialist_forward, written once on decoder_layer_forward and
-// registered once as CompositeExplicitAutograd: the per-device work happens in the ops they
-// dispatch to.
+// poss::decoder_layer, poss::specialist_forward and poss::eagle3_layer_forward, written once on
+// one layer body and registered once as CompositeExplicitAutograd: the per-device work happens in
+// the ops they dispatch to.
 #include "poss/decoder_layer.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -80,8 +80,9 @@ void check_vector(const at::Tensor& t, const char* name, int64_t n, const at::Te
 
 // Everything the layer's ops would check, checked before rope_qkv writes the cache, with this
 // op's argument names: a later op's error would leave the cache written and name its own
-// arguments (q, start).
-void check_layer(const at::Tensor& x, const LayerWeights& w, const LayerInputs& in) {
+// arguments (q, start). x is the residual stream [B, T, H]; the QKV projection reads qkv_in
+// features per token (H, or 2H for an EAGLE-3 layer's [embedding; hidden]).
+void check_layer(const at::Tensor& x, const LayerWeights& w, const LayerInputs& in, int64_t qkv_in) {
   check_float_dtype(x, "x");
   check_dim(x, "x", 3, "[B, T, H]");
   check_dim(in.k_cache, "k_cache", 4, "[B, Hkv, S, D]");
@@ -105,7 +106,7 @@ void check_layer(const at::Tensor& x, const LayerWeights& w, const LayerInputs& 
               "w_gate_up must be [2F, H] (gate rows then up rows), got shape ", shape_str(w.w_gate_up));
   const int64_t F = w.w_gate_up.size(0) / 2;
   if (w.in_norm_w) check_vector(*w.in_norm_w, "in_norm_w", H, x);
-  check_weight(w.w_qkv, "w_qkv", qkv, H, x);
+  check_weight(w.w_qkv, "w_qkv", qkv, qkv_in, x);
   if (w.b_qkv) check_vector(*w.b_qkv, "b_qkv", qkv, x);
   check_weight(w.w_o, "w_o", H, in.num_heads * D, x);
   check_vector(w.post_norm_w, "post_norm_w", H, x);
@@ -158,14 +159,12 @@ void check_layer(const at::Tensor& x, const LayerWeights& w, const LayerInputs& 
 
 }  // namespace
 
-at::Tensor decoder_layer_forward(const at::Tensor& x, const LayerWeights& w, LayerInputs& in) {
-  check_layer(x, w, in);
-  const int64_t B = x.size(0), T = x.size(1), H = x.size(2), D = in.k_cache.size(3);
-  const int64_t N = in.parents.size(1);
-  // No new tokens: nothing to write to the cache (and view({B, T, -1}) below would be ambiguous).
-  if (B * T == 0) return at::empty({B, T, H}, x.options());
-  const auto x2 = x.reshape({B * T, H});
-  const auto a = w.in_norm_w ? call_rms_norm(x2, *w.in_norm_w, in.eps) : x2;
+namespace {
+
+// The layer after its input norm: a [B*T, qkv_in] feeds QKV; x2 [B*T, H] is the residual.
+at::Tensor layer_body(const at::Tensor& x2, const at::Tensor& a, int64_t B, int64_t T, const LayerWeights& w,
+                      LayerInputs& in) {
+  const int64_t H = x2.size(1), D = in.k_cache.size(3), N = in.parents.size(1);
   const auto qkv = call_linear(a, w.w_qkv, w.b_qkv, std::nullopt).view({B, T, -1});
   // The new tokens are the tree's last T nodes; node i's K/V lives at slot prefix_len + i. (A
   // target forward's T is N: no add, which costs ~10 us a layer on a CPU.)
@@ -179,6 +178,18 @@ at::Tensor decoder_layer_forward(const at::Tensor& x, const LayerWeights& w, Lay
                                      w.post_norm_w, in.eps);
   const auto act = call_swiglu(call_linear(m_in, w.w_gate_up, std::nullopt, std::nullopt));
   return call_linear(act, w.w_down, std::nullopt, h).view({B, T, H});
+}
+
+}  // namespace
+
+at::Tensor decoder_layer_forward(const at::Tensor& x, const LayerWeights& w, LayerInputs& in) {
+  check_layer(x, w, in, x.dim() == 3 ? x.size(2) : 0);
+  const int64_t B = x.size(0), T = x.size(1), H = x.size(2);
+  // No new tokens: nothing to write to the cache (and view({B, T, -1}) below would be ambiguous).
+  if (B * T == 0) return at::empty({B, T, H}, x.options());
+  const auto x2 = x.reshape({B * T, H});
+  const auto a = w.in_norm_w ? call_rms_norm(x2, *w.in_norm_w, in.eps) : x2;
+  return layer_body(x2, a, B, T, w, in);
 }
 
 namespace {
@@ -220,6 +231,35 @@ at::Tensor specialist_forward_op(const at::Tensor& embeds, const at::Tensor& fea
   return decoder_layer_forward(u, w, in);
 }
 
+// EAGLE-3's decoder layer: QKV reads [input_norm(embeds); hidden_norm(hidden)] (2H features, the
+// embedding first); the residual is the un-normalised hidden. The rest is decoder_layer_forward's.
+at::Tensor eagle3_layer_forward_op(const at::Tensor& embeds, const at::Tensor& hidden,
+                                   const at::Tensor& input_norm_w, const at::Tensor& hidden_norm_w,
+                                   const at::Tensor& w_qkv, const at::Tensor& w_o,
+                                   const at::Tensor& post_norm_w, const at::Tensor& w_gate_up,
+                                   const at::Tensor& w_down, at::Tensor& k_cache, at::Tensor& v_cache,
+                                   const at::Tensor& prefix_len, const at::Tensor& parents,
+                                   const at::Tensor& positions, const at::Tensor& inv_freq,
+                                   int64_t num_heads, int64_t num_kv_heads, double eps) {
+  check_float_dtype(embeds, "embeds");
+  check_dim(embeds, "embeds", 3, "[B, T, H]");
+  TORCH_CHECK(hidden.sizes() == embeds.sizes(), "hidden must have embeds' shape ", shape_str(embeds),
+              " (the fused target feature or the draft's own output, H wide), got ", shape_str(hidden));
+  check_dtype(hidden, "hidden", embeds.scalar_type());
+  check_same_device(hidden, "hidden", embeds, "embeds");
+  const int64_t B = embeds.size(0), T = embeds.size(1), H = embeds.size(2);
+  check_vector(input_norm_w, "input_norm_w", H, embeds);
+  check_vector(hidden_norm_w, "hidden_norm_w", H, embeds);
+  LayerWeights w{std::nullopt, w_qkv, std::nullopt, w_o, post_norm_w, w_gate_up, w_down};
+  LayerInputs in{k_cache, v_cache, prefix_len, parents, positions, inv_freq, num_heads, num_kv_heads, eps};
+  check_layer(hidden, w, in, 2 * H);
+  if (B * T == 0) return at::empty({B, T, H}, hidden.options());
+  const auto g2 = hidden.reshape({B * T, H});
+  const auto a = at::cat({call_rms_norm(embeds.reshape({B * T, H}), input_norm_w, eps),
+                          call_rms_norm(g2, hidden_norm_w, eps)}, 1);
+  return layer_body(g2, a, B, T, w, in);
+}
+
 }  // namespace
 
 // Built from other ops only, so one registration serves every device (and Meta, until a fake
@@ -227,6 +267,7 @@ at::Tensor specialist_forward_op(const at::Tensor& embeds, const at::Tensor& fea
 TORCH_LIBRARY_IMPL(poss, CompositeExplicitAutograd, m) {
   m.impl("decoder_layer", &decoder_layer_op);
   m.impl("specialist_forward", &specialist_forward_op);
+  m.impl("eagle3_layer_forward", &eagle3_layer_forward_op);
 }
 
 }  // namespace poss

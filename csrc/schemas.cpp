@@ -30,8 +30,8 @@ TORCH_LIBRARY(poss, m) {
       "kv_compact(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor prefix_len, Tensor accept_nodes, "
       "Tensor accept_len) -> ()");
 
-  // Decoder-layer building blocks. Rows are the last dimension; any leading shape. decoder_layer
-  // and specialist_forward are composites of the others: one CompositeExplicitAutograd kernel
+  // Decoder-layer building blocks. Rows are the last dimension; any leading shape. decoder_layer,
+  // specialist_forward and eagle3_layer_forward are composites of the others: one CompositeExplicitAutograd kernel
   // serves every device (csrc/decoder_layer.cpp).
 
   // out = x @ weight^T + bias + residual: x [..., K], weight [N, K], bias [N], residual [..., N],
@@ -70,4 +70,13 @@ TORCH_LIBRARY(poss, m) {
       "Tensor w_o, Tensor post_norm_w, Tensor w_gate_up, Tensor w_down, Tensor(a!) k_cache, "
       "Tensor(b!) v_cache, Tensor prefix_len, Tensor parents, Tensor positions, Tensor inv_freq, "
       "int num_heads, int num_kv_heads, float eps) -> Tensor");
+  // One EAGLE-3 draft layer over T new tokens: q/k/v over [rms_norm(embeds, input_norm_w);
+  // rms_norm(hidden, hidden_norm_w)] (2H features), RoPE, K/V written at slots prefix_len + N - T + t,
+  // tree attention, o-proj + hidden (the residual), post-attention RMSNorm, SwiGLU MLP + residual.
+  // hidden [B, T, H] is the fused target feature fc(three layers) or the draft's own output.
+  m.def(
+      "eagle3_layer_forward(Tensor embeds, Tensor hidden, Tensor input_norm_w, Tensor hidden_norm_w, "
+      "Tensor w_qkv, Tensor w_o, Tensor post_norm_w, Tensor w_gate_up, Tensor w_down, "
+      "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor prefix_len, Tensor parents, Tensor positions, "
+      "Tensor inv_freq, int num_heads, int num_kv_heads, float eps) -> Tensor");
 }

@@ -437,6 +437,35 @@ def _specialist_forward_fake(embeds, *args):
     return torch.empty_like(embeds, memory_format=torch.contiguous_format)
 
 
+def eagle3_layer_forward(embeds, hidden, input_norm_w, hidden_norm_w, w_qkv, w_o, post_norm_w, w_gate_up,
+                         w_down, k_cache, v_cache, prefix_len, parents, positions, inv_freq, num_heads: int,
+                         num_kv_heads: int, eps: float) -> Tensor:
+    """One EAGLE-3 draft layer over T new tokens, fused.
+
+    q/k/v project ``[rms_norm(embeds, input_norm_w); rms_norm(hidden, hidden_norm_w)]`` (2H features,
+    the embedding first); then RoPE, the K/V write, tree attention and ``o_proj`` plus ``hidden`` (the
+    residual is the un-normalised hidden), the post-attention RMSNorm and the SwiGLU MLP plus residual,
+    as :func:`decoder_layer`.
+
+    Args:
+        embeds: ``[B, T, H]`` the target embedding of x_{t+1}; float32/bf16/fp16.
+        hidden: ``[B, T, H]`` same dtype: the fused target feature ``fc(three layers)`` or the draft's
+            own output at the parent position.
+        input_norm_w, hidden_norm_w: ``[H]``.
+        w_qkv: ``[(Hq + 2 Hkv) D, 2H]``. Other arguments as in :func:`decoder_layer`.
+    Returns:
+        ``[B, T, H]``: the layer's output (the input of the draft's final norm, and of its next step).
+    """
+    return torch.ops.poss.eagle3_layer_forward(embeds, hidden, input_norm_w, hidden_norm_w, w_qkv, w_o,
+                                               post_norm_w, w_gate_up, w_down, k_cache, v_cache, prefix_len,
+                                               parents, positions, inv_freq, num_heads, num_kv_heads, eps)
+
+
+@torch.library.register_fake("poss::eagle3_layer_forward")
+def _eagle3_layer_forward_fake(embeds, hidden, *args):
+    return torch.empty_like(hidden, memory_format=torch.contiguous_format)
+
+
 # ---- Devices without compiled kernels ---------------------------------------------------------
 
 
@@ -445,7 +474,7 @@ def _register_fallbacks(build_info: dict) -> None:
     behind the kernels' argument checks (poss_ext/fallback.py)."""
     if build_info["cuda"]:
         return
-    # decoder_layer and specialist_forward are composites: they dispatch to these.
+    # decoder_layer, specialist_forward and eagle3_layer_forward are composites: they dispatch to these.
     for name in ("tree_verify", "build_tree", "tree_attention", "kv_compact", "linear", "rms_norm",
                  "add_rms_norm", "swiglu", "rope_qkv"):
         if name == "tree_attention" and ATTENTION_BACKEND == "triton":

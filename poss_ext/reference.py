@@ -363,3 +363,19 @@ def specialist_forward(embeds, features, fc_w, fc_b, w_qkv, w_o, post_norm_w, w_
     u = torch.nn.functional.linear(torch.cat([embeds, features], -1), fc_w, fc_b)
     return decoder_layer(u, None, w_qkv, None, w_o, post_norm_w, w_gate_up, w_down, k_cache, v_cache,
                          prefix_len, parents, positions, inv_freq, num_heads, num_kv_heads, eps)
+
+
+def eagle3_layer_forward(embeds, hidden, input_norm_w, hidden_norm_w, w_qkv, w_o, post_norm_w, w_gate_up, w_down,
+                         k_cache, v_cache, prefix_len, parents, positions, inv_freq, num_heads, num_kv_heads, eps):
+    """Reference of ``poss::eagle3_layer_forward``: q/k/v over [norm(embeds); norm(hidden)], residual hidden."""
+    B, T, H = hidden.shape
+    D = k_cache.shape[-1]
+    N = parents.shape[1]
+    a = torch.cat([rms_norm(embeds, input_norm_w, eps), rms_norm(hidden, hidden_norm_w, eps)], -1)
+    qkv = torch.nn.functional.linear(a, w_qkv)
+    start = (prefix_len + (N - T)).to(torch.int32)
+    q = rope_qkv(qkv, positions, inv_freq, k_cache, v_cache, start, num_heads, num_kv_heads)
+    attn = tree_attention(q, k_cache, v_cache, prefix_len, parents, D ** -0.5)
+    o = attn.transpose(1, 2).reshape(B, T, num_heads * D) @ w_o.t()
+    m_in, h = add_rms_norm(o, hidden, post_norm_w, eps)
+    return h + swiglu(m_in @ w_gate_up.t()) @ w_down.t()

@@ -37,14 +37,18 @@ def tiny_target(vocab=300, layer_scale=0.1, seed=0, dtype=torch.float32, **over)
     return model.to(dtype)
 
 
-def random_draft(runner, n=1, ppl=1, seed=0, aligned=False, draft_vocab=0, schedule=(), fc_per_specialist=False):
+def random_draft(runner, n=1, ppl=1, seed=0, aligned=False, draft_vocab=0, schedule=(), fc_per_specialist=False,
+                 features="last", feature_layers=()):
     """A randomly initialised PosS draft on ``runner``. ``aligned``: fc passes the token embedding
     through and the specialists add little, so the draft guesses the target's bigram map.
     ``draft_vocab = K``: a reduced draft vocabulary of K random token ids (seeded). ``schedule`` /
-    ``fc_per_specialist``: a depth-aware layout (:class:`DraftConfig`)."""
+    ``fc_per_specialist``: a depth-aware layout (:class:`DraftConfig`). ``features="eagle3"``: an
+    EAGLE-3 draft (``n = 1``) or PosS on EAGLE-3 features over the target's ``feature_layers`` (default
+    EAGLE-3's); the runner is set to return them (:func:`align_eagle3` for ``aligned``)."""
     cfg = DraftConfig.for_target(runner.config, "tiny", runner.fingerprint(), n_specialists=n,
-                                 positions_per_specialist=ppl, fc_bias=True, draft_vocab=draft_vocab,
-                                 schedule=list(schedule), fc_per_specialist=fc_per_specialist)
+                                 positions_per_specialist=ppl, fc_bias=features == "last", draft_vocab=draft_vocab,
+                                 schedule=list(schedule), fc_per_specialist=fc_per_specialist, features=features,
+                                 feature_layers=list(feature_layers))
     torch.manual_seed(seed)
     d = PosSDraft(cfg)
     if draft_vocab:
@@ -52,8 +56,10 @@ def random_draft(runner, n=1, ppl=1, seed=0, aligned=False, draft_vocab=0, sched
     H = cfg.hidden
     with torch.no_grad():
         for name, p in d.named_parameters():
-            p.copy_(torch.randn_like(p) * (0.05 if p.dim() == 2 else 0.2) + (1.0 if "post_norm" in name else 0.0))
-        if aligned:
+            p.copy_(torch.randn_like(p) * (0.05 if p.dim() == 2 else 0.2) + (1.0 if name.endswith("norm") else 0.0))
+        if aligned and d.eagle3:
+            align_eagle3(d, runner)
+        elif aligned:
             for fc in {id(d.fc_for(j)): d.fc_for(j) for j in range(n)}.values():
                 fc.weight.mul_(0.1)
                 fc.weight[:, :H] += torch.diag(runner.final_norm_w.float())  # the target head sees norm(h) * w
@@ -61,7 +67,42 @@ def random_draft(runner, n=1, ppl=1, seed=0, aligned=False, draft_vocab=0, sched
             for layer in d.layers:
                 layer.o_proj.weight.mul_(0.02)
                 layer.down_proj.weight.mul_(0.02)
+    runner.set_feature_layers(d.feature_layers_for(len(runner.layers)))
     return d.to(runner.dtype).attach(runner, max_batch=1, max_seq=64)
+
+
+@torch.no_grad()
+def align_eagle3(d: PosSDraft, runner, sharp: float = 2.0) -> None:
+    """Make a random EAGLE-3 draft guess the target's bigram map: each layer attends (almost) only to
+    its own token and copies the first ``Hkv * D`` coordinates of its normalised embedding into the
+    output, which the draft's head (the target's final norm and lm_head rows) scores. fc and the MLP
+    add little. Needs ``kv_heads * head_dim <= hidden``."""
+    c = d.config
+    H, D, Hq, Hkv = c.hidden, c.head_dim, c.heads, c.kv_heads
+    if Hkv * D > H:
+        raise ValueError("align_eagle3 needs kv_heads * head_dim <= hidden")
+    d.fc.weight.mul_(0.01)
+    d.norm.copy_(runner.final_norm_w.float())
+    rows = torch.arange(c.vocab) if d.token_map is None else d.token_map
+    d.lm_head.weight.copy_(runner.lm_head.float().cpu()[rows])
+    eye = torch.eye(D)
+    for layer in d.layers:
+        w = layer.qkv_proj.weight
+        w.zero_()
+        layer.input_norm.fill_(1.0)
+        for h in range(Hq):
+            g = h // (Hq // Hkv)
+            w[h * D:(h + 1) * D, g * D:(g + 1) * D] = sharp * eye  # q: the token's own coordinates
+        for g in range(Hkv):
+            k0, v0 = Hq * D + g * D, Hq * D + Hkv * D + g * D
+            w[k0:k0 + D, g * D:(g + 1) * D] = sharp * eye  # k: the same, so a token matches itself
+            w[v0:v0 + D, g * D:(g + 1) * D] = eye  # v: copied
+        o = layer.o_proj.weight
+        o.zero_()
+        for g in range(Hkv):
+            h = g * (Hq // Hkv)  # the first query head of each group writes its group's coordinates
+            o[g * D:(g + 1) * D, h * D:(h + 1) * D] = 3.0 * eye
+        layer.down_proj.weight.mul_(0.02)
 
 
 def make_generator(model, draft=None, dtype=None, **draft_kw):

@@ -127,15 +127,19 @@ def test_stop_strings_cut_the_text_and_stream_matches(byte_gen):
     assert "".join(byte_gen.stream(prompt, 60, stop=["\x00never\x00"])) == full
 
 
+@pytest.mark.parametrize("draft_kw", [dict(n=3, ppl=2), dict(n=1, features="eagle3", feature_layers=(1, 0, 2)),
+                                      dict(n=3, ppl=2, features="eagle3", feature_layers=(1, 0, 2))],
+                         ids=["poss2", "eagle3", "poss2-eagle3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_speculative_matches_our_autoregressive_loop_in_its_dtype(dtype):
+def test_speculative_matches_our_autoregressive_loop_in_its_dtype(dtype, draft_kw):
     """Greedy speculation equals our own AR loop in the same dtype, token for token, where poss::linear
     has a row-invariant kernel for it (bf16: AVX512-BF16, fp32: AVX2 + FMA); with the vendor GEMM a
-    divergence is only allowed at a near-tie of the logits (tree and single-token GEMMs round differently)."""
+    divergence is only allowed at a near-tie of the logits (tree and single-token GEMMs round differently).
+    EAGLE-3 drafts (and PosS on EAGLE-3 features) run on a runner that also returns three layers."""
     model = tiny_target(seed=4)
     prompts = eval_prompts(2, max_len=32)[:8]
     ar = make_generator(model, draft=False, dtype=dtype)
-    spec = make_generator(model, draft=True, n=3, ppl=2, aligned=True, dtype=dtype)
+    spec = make_generator(model, draft=True, aligned=True, dtype=dtype, **draft_kw)
     want = ar.generate(prompts, 64).token_ids
     got = spec.generate(prompts, 64).token_ids
     parted = assert_lossless_in_dtype(dtype, model, prompts, got, want)

@@ -68,6 +68,29 @@ def test_greedy_matches_hf(target, reference, n, ppl, batch, aligned):
         assert max(k for s in stats for k, c in enumerate(s.accept_hist) if c) >= 2
 
 
+# The tiny target has 2 layers: EAGLE-3's default (2, L // 2, L - 3) needs 3, so the drafts fuse the
+# embeddings (0), layer 0's output (1) and the last layer's (2), in a scrambled order.
+E3_LAYERS = (1, 0, 2)
+
+
+@pytest.mark.parametrize("n,ppl,draft_vocab", [(1, 1, 0), (3, 2, 0), (1, 1, 150)],
+                         ids=["eagle3", "poss2-eagle3", "eagle3-draft-vocab-150"])
+@pytest.mark.parametrize("aligned", [False, True], ids=["random", "aligned"])
+def test_eagle3_features_greedy_matches_hf(target, reference, n, ppl, draft_vocab, aligned):
+    """EAGLE-3 drafts (one layer) and PosS on EAGLE-3 features (3 specialists): the runner returns
+    three layers' hidden states beside the final-norm features in the same pass, and the output stays
+    the target's greedy decoding."""
+    gen = make_generator(target, draft=True, n=n, ppl=ppl, aligned=aligned, features="eagle3",
+                         feature_layers=E3_LAYERS, draft_vocab=draft_vocab)
+    assert gen.runner.feature_layers == E3_LAYERS and gen.runner.feature_width == 4 * 256
+    got, stats = generate_batched(gen, PROMPTS, 8)
+    assert_identical(got, reference)
+    for s, r in zip(stats, reference):
+        assert s.tokens == len(r) and s.rounds == sum(s.accept_hist)
+    if aligned:  # the aligned draft's proposals were really accepted, several at a time
+        assert max(k for s in stats for k, c in enumerate(s.accept_hist) if c) >= 2
+
+
 @pytest.mark.parametrize("draft_vocab", [150, 7])
 def test_reduced_vocabulary_draft_is_lossless(target, reference, draft_vocab):
     """A draft that proposes only K of the 300 tokens: verification over the full vocabulary keeps

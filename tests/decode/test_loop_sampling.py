@@ -26,11 +26,14 @@ def model():
     return m
 
 
-@pytest.mark.parametrize("draft,draft_vocab", [(True, 0), (True, 8), (False, 0)],
-                         ids=["poss-n3", "poss-n3-draft-vocab-8", "autoregressive"])
-def test_first_three_tokens_follow_the_target(model, draft, draft_vocab):
+@pytest.mark.parametrize("draft,draft_vocab,n,features", [
+    (True, 0, 3, "last"), (True, 8, 3, "last"), (False, 0, 3, "last"),
+    (True, 0, 1, "eagle3"), (True, 8, 3, "eagle3")],
+    ids=["poss-n3", "poss-n3-draft-vocab-8", "autoregressive", "eagle3", "poss-n3-eagle3-draft-vocab-8"])
+def test_first_three_tokens_follow_the_target(model, draft, draft_vocab, n, features):
     probs = exact_distribution(model)
-    gen = make_generator(model, draft=draft, n=3, ppl=1, aligned=True, draft_vocab=draft_vocab)
+    extra = dict(features=features, feature_layers=(1, 0, 2)) if features == "eagle3" else {}
+    gen = make_generator(model, draft=draft, n=n, ppl=1, aligned=True, draft_vocab=draft_vocab, **extra)
     counts, accepted = sample(gen, calls=40, depth=3, num_nodes=12, beam_width=4)
     # Never a sequence the target cannot produce (top-p cut it).
     assert counts[probs == 0].sum() == 0

@@ -63,7 +63,7 @@ def tiny_examples(n, seed=0, min_len=12, max_len=40, vocab=128):
 
 def make_trainer(out, method="poss", steps=4, ppl=2, n_train=8, batch_size=2, epochs=2, ckpt_minutes=10.0,
                  max_batches=None, info=None, noise=0.2, lr=1e-3, init_from=None, feature_cache=None, seed=0,
-                 validate_every_epoch=False):
+                 validate_every_epoch=False, draft_features=None, feature_layers=None, token_map=None):
     from poss.train.ddp import DistInfo
     from poss.train.loop import TrainConfig, Trainer
 
@@ -71,9 +71,11 @@ def make_trainer(out, method="poss", steps=4, ppl=2, n_train=8, batch_size=2, ep
     runner = tiny_target(max_batch=batch_size)
     cfg = TrainConfig(method=method, steps=steps, positions_per_specialist=ppl, epochs=epochs, batch_size=batch_size,
                       lr=lr, noise_std=noise, checkpoint_minutes=ckpt_minutes, max_batches=max_batches, autocast="none",
-                      warmup_frac=0.1, seed=seed, validate_every_epoch=validate_every_epoch)
+                      warmup_frac=0.1, seed=seed, validate_every_epoch=validate_every_epoch,
+                      draft_features=draft_features, feature_layers=feature_layers)
     return Trainer(runner, cfg, tiny_examples(n_train), tiny_examples(4, seed=1), out, target_name="tiny",
-                   info=info or DistInfo(), progress_bar=False, init_from=init_from, feature_cache=feature_cache)
+                   info=info or DistInfo(), progress_bar=False, init_from=init_from, feature_cache=feature_cache,
+                   token_map=token_map)
 
 
 def main():

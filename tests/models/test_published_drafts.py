@@ -294,12 +294,105 @@ def test_eagle3_converts_and_exports_bit_for_bit(tmp_path, fmt, prefix, draft_vo
     cfg = json.loads((tmp_path / "back" / "config.json").read_text())
     src_cfg = json.loads((folder / "config.json").read_text())
     assert {k: v for k, v in cfg.items() if k != "poss"} == src_cfg
-    with pytest.raises(ValueError, match="three target layers' hidden states"):
-        PosSDraft.load(folder)
-    with pytest.raises(ValueError, match="three target layers' hidden states"):
-        PosSDraft.load(out)
+    # Both folders load as the same runnable EAGLE-3 draft, with the published tensors as they are.
+    a, b = PosSDraft.load(folder, dtype=torch.float16), PosSDraft.load(out, dtype=torch.float16)
+    assert a.config.features == b.config.features == "eagle3" and a.config.n_specialists == 1
+    assert_same_tensors(a.state_dict(), b.state_dict())
+    assert torch.equal(a.state_dict()["layers.0.qkv_proj.weight"][:64], original[prefix + "self_attn.q_proj.weight"])
+    with pytest.raises(ValueError, match="own head"):
+        PosSDraft.load(out, vocab="full")
     with pytest.raises(ValueError, match="only the eagle3 layout"):
         export_draft(out, "eagle", tmp_path / "no")
+
+
+@pytest.fixture(scope="module")
+def deep_model():
+    """A 4-layer tiny target: EAGLE-3's default feature layers (2, L // 2, L - 3) are (2, 2, 1) here."""
+    return tiny_target(vocab=300, seed=6, num_hidden_layers=4)
+
+
+def test_imported_eagle3_matches_an_independent_forward_from_the_published_names(deep_model, tmp_path):
+    """The whole EAGLE-3 draft step on the target's hidden states, written from the published tensors
+    and ``transformers``' ``hidden_states`` (inputs of layers 2, L // 2, L - 3), equals our fused path:
+    the runner's taps, fc, the layer (norms, [embedding; hidden] order, residual) and the own head."""
+    runner = TargetRunner(deep_model, 1, 64)
+    folder, w = random_eagle3(tmp_path / "e3", hidden=256, heads=4, kv_heads=2, ffn=96, vocab=300, draft_vocab=40,
+                              dtype=torch.float32)
+    draft = PosSDraft.load(folder)
+    with pytest.raises(ValueError, match=r"hidden states \[2, 2, 1\].*set_feature_layers"):
+        draft.attach(runner, 1, 64)
+    runner.set_feature_layers(draft.feature_layers_for(4))
+    draft.attach(runner, 1, 64)
+    T, c, eps = 10, draft.config, draft.config.rms_eps
+    ids = torch.randint(3, 300, (1, T + 1), generator=torch.Generator().manual_seed(0))
+    _, feats = runner.prefill([ids[0, :T].tolist()])
+    assert feats.shape == (1, T, 4 * 256)
+    g_in = draft.draft_input(feats)
+    got = draft.log_probs(draft.step(0, ids[:, 1:], g_in, torch.arange(T).view(1, T), chain_parents([T], T),
+                                     torch.zeros(1, dtype=torch.int32)))
+
+    with torch.no_grad():
+        hs = deep_model(ids[:, :T], output_hidden_states=True).hidden_states
+    p = "midlayer."
+
+    def rms(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+    def rot(x):
+        ang = torch.arange(T).view(T, 1).float() * runner.inv_freq
+        cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+        return x * cos + torch.cat([-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]], -1) * sin
+
+    g = F.linear(torch.cat([hs[2], hs[2], hs[1]], -1)[0], w["fc.weight"])
+    a = torch.cat([rms(runner.embed[ids[0, 1:]], w[p + "input_layernorm.weight"]),
+                   rms(g, w[p + "hidden_norm.weight"])], -1)
+    q = rot(F.linear(a, w[p + "self_attn.q_proj.weight"]).view(T, c.heads, c.head_dim).transpose(0, 1))
+    k = rot(F.linear(a, w[p + "self_attn.k_proj.weight"]).view(T, c.kv_heads, c.head_dim).transpose(0, 1))
+    v = F.linear(a, w[p + "self_attn.v_proj.weight"]).view(T, c.kv_heads, c.head_dim).transpose(0, 1)
+    rep = c.heads // c.kv_heads
+    att = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0), is_causal=True)
+    h = g + F.linear(att.transpose(0, 1).reshape(T, -1), w[p + "self_attn.o_proj.weight"])
+    n = rms(h, w[p + "post_attention_layernorm.weight"])
+    h = h + F.linear(F.silu(F.linear(n, w[p + "mlp.gate_proj.weight"])) * F.linear(n, w[p + "mlp.up_proj.weight"]),
+                     w[p + "mlp.down_proj.weight"])
+    want = torch.log_softmax(F.linear(rms(h, w["norm.weight"]), w["lm_head.weight"]), -1)
+    torch.testing.assert_close(got[0], want, rtol=1e-4, atol=1e-4)
+    # Draft id i is target token i + d2t[i].
+    assert torch.equal(draft.full_ids(torch.arange(40)), torch.arange(40) + w["d2t"])
+
+
+def test_imported_eagle3_decodes_losslessly(deep_model, tmp_path):
+    """A published EAGLE-3 folder and its `poss import` decode greedily as the target does, round for round alike."""
+    runner = TargetRunner(deep_model, 1, 64, feature_layers=(2, 2, 1))
+    folder, _ = random_eagle3(tmp_path / "e3", hidden=256, heads=4, kv_heads=2, ffn=96, vocab=300, draft_vocab=0,
+                              dtype=torch.float32)
+    out = import_draft(folder, runner, tmp_path / "ours", "tiny")
+    prompts = eval_prompts(1, 24, 300)[:3]
+    got_ids, got_hist = decode(runner, PosSDraft.load(folder), prompts)
+    want_ids, want_hist = decode(runner, PosSDraft.load(out), prompts)
+    assert got_ids == want_ids and got_hist == want_hist
+    for p, ids in zip(prompts, got_ids):
+        assert ids == hf_greedy(deep_model, p, 24)
+
+
+def test_an_eagle3_draft_trained_by_poss_exports_and_loads_back(deep_model, tmp_path):
+    """A one-layer `eagle3` draft in poss's format -> the published layout -> the same tensors and tokens;
+    PosS on EAGLE-3 features (several layers) and the EAGLE-2 layouts are refused."""
+    runner = TargetRunner(deep_model, 1, 64)
+    ours = random_draft(runner, n=1, aligned=True, features="eagle3", draft_vocab=120)
+    ours.save(tmp_path / "ours")
+    export_draft(tmp_path / "ours", "eagle3", tmp_path / "pub")
+    assert layout_of(tmp_path / "pub") == "eagle3"
+    assert json.loads((tmp_path / "pub" / "config.json").read_text())["draft_vocab_size"] == 120
+    back = PosSDraft.load(tmp_path / "pub")
+    assert_same_tensors(back.state_dict(), ours.state_dict())
+    prompts = eval_prompts(1, 24, 300)[:2]
+    assert decode(runner, back, prompts) == decode(runner, PosSDraft.load(tmp_path / "ours"), prompts)
+    with pytest.raises(ValueError, match="only the eagle3 layout"):
+        export_draft(tmp_path / "ours", "eagle", tmp_path / "no")
+    random_draft(runner, n=3, features="eagle3").save(tmp_path / "poss3")
+    with pytest.raises(ValueError, match="one EAGLE-3 layer over three target layers.*3 specialist"):
+        export_draft(tmp_path / "poss3", "eagle3", tmp_path / "no")
 
 
 def test_eagle3_partial_or_inconsistent_is_refused(tmp_path):

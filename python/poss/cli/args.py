@@ -72,6 +72,20 @@ def position_counts(text: str) -> List[int]:
 position_counts.__name__ = "list of positions"
 
 
+def layer_indices(text: str) -> List[int]:
+    """``"2,15,27"`` -> ``[2, 15, 27]``: non-negative integers, comma-separated (target hidden-state indices)."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices such as 2,15,27, got {text!r}")
+    return values
+
+
+layer_indices.__name__ = "list of layer indices"
+
+
 def int_at_least(low: int, high: Optional[int] = None):
     def parse(text: str) -> int:
         try:

@@ -1,4 +1,4 @@
-"""``poss train``: train one draft (EAGLE-2, HASS or PosS-n), or score one with ``--validate``."""
+"""``poss train``: train one draft (EAGLE-2, HASS, PosS-n or EAGLE-3), or score one with ``--validate``."""
 
 import json
 import sys
@@ -15,18 +15,29 @@ from poss.cli.args import (
     check_target,
     float_in,
     int_at_least,
+    layer_indices,
     position_counts,
     set_threads,
 )
 
 
 def add_parser(sub):
-    p = sub.add_parser("train", help="train an EAGLE-2 / HASS / PosS-n draft for a target",
+    p = sub.add_parser("train", help="train an EAGLE-2 / HASS / PosS-n / EAGLE-3 draft for a target",
                        formatter_class=Formatter)
     add_target(p)
-    p.add_argument("--method", choices=("eagle2", "hass", "poss"), default="poss", help="the draft objective")
-    p.add_argument("--steps", type=int_at_least(1), default=None,
-                   help="training steps (draft positions); eagle2 1, hass 3, poss 6")
+    p.add_argument("--method", choices=("eagle2", "hass", "poss", "eagle3"), default="poss",
+                   help="the draft objective; eagle3: one EAGLE-3 layer over three target layers, trained with "
+                        "EAGLE-3's training-time test")
+    p.add_argument("--steps", "--ttt-steps", type=int_at_least(1), default=None,
+                   help="training steps (draft positions; EAGLE-3's training-time-test steps); eagle2 1, hass 3, "
+                        "poss 6, eagle3 7")
+    p.add_argument("--draft-features", choices=("last", "eagle3"), default=None,
+                   help="what the draft reads: the target's final-norm feature (last; EAGLE-2, HASS, PosS) or "
+                        "three target layers fused by fc, EAGLE-3's layer and its own head (eagle3; implied by "
+                        "--method eagle3; with --method poss: PosS specialists on EAGLE-3 features)")
+    p.add_argument("--feature-layers", type=layer_indices, default=None, metavar="I,J,K",
+                   help="with EAGLE-3 features: the target hidden-state indices fused (i = the input of decoder "
+                        "layer i); default EAGLE-3's 2, L/2, L-3")
     p.add_argument("--positions-per-specialist", type=int_at_least(1), default=1,
                    help="PosS-n: n positions per specialist")
     p.add_argument("--out", default=None, help="run directory: checkpoints, metrics.jsonl, final draft/")
@@ -38,9 +49,10 @@ def add_parser(sub):
                         "specialist for position 1 and one for positions 2-6 (overrides --positions-per-specialist)")
     p.add_argument("--fc-per-specialist", action="store_true",
                    help="give each specialist its own fusion layer fc (default: one shared fc, as the PosS reference)")
-    p.add_argument("--position-weights", default="uniform", metavar="SPEC",
-                   help="loss weight per drafted position: uniform (the paper), eagle3 (0.8^k), "
-                        "reach:a1,a2,... (products of measured pos-acc), or one weight per step")
+    p.add_argument("--position-weights", default=None, metavar="SPEC",
+                   help="loss weight per drafted position: uniform (the paper; the default), eagle3 (0.8^k; the "
+                        "default with EAGLE-3 features), reach:a1,a2,... (products of measured pos-acc), or one "
+                        "weight per step")
     p.add_argument("--resume", action="store_true", help="continue from OUT/trainer_state.pt")
     p.add_argument("--max-len", type=int_at_least(2), default=1024, help="tokens per conversation at most")
     p.add_argument("--train-size", type=int_at_least(1), default=1000, help="training conversations")
@@ -63,8 +75,9 @@ def add_parser(sub):
     p.add_argument("--topk-weight", type=float_in(0), default=0.0, help="HASS top-K loss weight (K=10)")
     p.add_argument("--feature-weight", type=float_in(0), default=1.0,
                    help="SmoothL1 feature-regression weight (EAGLE/HASS/PosS: 1.0; EAGLE-3 drops it: 0)")
-    p.add_argument("--token-weight", type=float_in(0, low_open=True), default=0.1,
-                   help="soft cross-entropy weight against the target's distribution (EAGLE/HASS/PosS: 0.1)")
+    p.add_argument("--token-weight", type=float_in(0, low_open=True), default=None,
+                   help="soft cross-entropy weight against the target's distribution (EAGLE/HASS/PosS: 0.1; "
+                        "with EAGLE-3 features, their only loss: 1.0)")
     p.add_argument("--noise-std", type=float_in(0), default=0.2, help="feature noise during training")
     p.add_argument("--checkpoint-minutes", type=float_in(0, low_open=True), default=10.0,
                    help="minutes between checkpoints")
@@ -138,10 +151,21 @@ def check_train_arguments(args) -> None:
         raise UsageError(f"--specialists needs --method poss, not {args.method}")
     if args.fc_per_specialist and args.method != "poss":
         raise UsageError(f"--fc-per-specialist needs --method poss, not {args.method}")
+    eagle3 = args.method == "eagle3" or args.draft_features == "eagle3"
+    if args.draft_features == "eagle3" and args.method not in ("eagle3", "poss"):
+        raise UsageError(f"--draft-features eagle3 needs --method eagle3 or poss, not {args.method}")
+    if args.method == "eagle3" and args.draft_features == "last":
+        raise UsageError("--method eagle3 reads EAGLE-3 features: drop --draft-features last")
+    if args.feature_layers is not None and not eagle3:
+        raise UsageError("--feature-layers needs EAGLE-3 features (--method eagle3 or --draft-features eagle3)")
+    if args.fc_per_specialist and eagle3:
+        raise UsageError("--fc-per-specialist: EAGLE-3 features are fused by one fc")
+    from poss.train.loop import DEFAULT_STEPS
     from poss.train.objective import position_weights
 
     try:
-        position_weights(args.position_weights, args.steps or {"eagle2": 1, "hass": 3, "poss": 6}[args.method])
+        position_weights(args.position_weights or ("eagle3" if eagle3 else "uniform"),
+                         args.steps or DEFAULT_STEPS[args.method])
     except ValueError as e:
         raise UsageError(f"--position-weights: {e}") from None
     if args.data is not None and not Path(args.data).is_dir():
@@ -175,10 +199,16 @@ def run(args) -> int:
                       v_weight=args.feature_weight, p_weight=args.token_weight,
                       noise_std=args.noise_std, checkpoint_minutes=args.checkpoint_minutes, seed=args.seed,
                       max_batches=args.max_batches, validate_every_epoch=args.validate_every_epoch,
-                      autocast=draft_autocast(runner.dtype))
+                      autocast=draft_autocast(runner.dtype), draft_features=args.draft_features,
+                      feature_layers=args.feature_layers)
+    feature_cache = data.feature_cache
+    if args.features == "online" and cfg.draft_features == "eagle3":
+        # A distill folder's cache holds final-norm features only: EAGLE-3 features would fill a second cache
+        # (about 4 * H * 2 bytes a token) unless asked to run the target every batch.
+        feature_cache = None
     trainer = Trainer(runner, cfg, data.train, data.val, args.out,
                       target_name=args.target if isinstance(args.target, str) else "", init_from=args.init_from,
-                      feature_cache=data.feature_cache, info=info, data_info=data.info, token_map=token_map,
+                      feature_cache=feature_cache, info=info, data_info=data.info, token_map=token_map,
                       train_ids=data.train_ids)
     if args.resume and trainer.resume() and info.main:
         print(f"resumed at step {trainer.progress['step']} (epoch {trainer.progress['epoch']})", file=sys.stderr)

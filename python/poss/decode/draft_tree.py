@@ -21,6 +21,10 @@ next frontier. ``poss::build_tree`` keeps the best ``num_nodes - 1`` candidates,
 
 Every specialist step here skips the draft's own capacity check (a host sync): the generator sized
 the caches for the whole call.
+
+The verified pairs carry the target's features as the runner returned them; :meth:`PosSDraft.draft_input`
+turns them into what the draft reads (an EAGLE-3 draft's ``fc`` over the target layers). The tree
+levels carry the draft's own outputs, which every draft reads as they are.
 """
 
 from dataclasses import dataclass
@@ -68,8 +72,8 @@ def warm_up(draft, batch: BatchState, prompt_lens: List[int], depth: int) -> Non
     pos = torch.arange(W, device=dev).expand(B, W).contiguous()
     zero = torch.zeros(B, dtype=torch.int32, device=dev)
     for j in sorted({draft.specialist_for(p) for p in range(1, depth + 1)}):
-        draft.step(j, batch.ids[:, 1: W + 1].contiguous(), batch.feats[:, :W].contiguous(), pos, parents, zero,
-                   check_capacity=False)
+        draft.step(j, batch.ids[:, 1: W + 1].contiguous(), draft.draft_input(batch.feats[:, :W]).contiguous(), pos,
+                   parents, zero, check_capacity=False)
     batch.draft_len = [p - 1 for p in P]
     batch.draft_len_dev.copy_(batch.length_dev - 1)
 
@@ -86,13 +90,13 @@ def draft_tree(draft, batch: BatchState, depth: int, beam_width: int, num_nodes:
     # num_nodes - 1 of its level and of its siblings, and a beam of that width still proposes it
     # (the same tree, up to the order of exactly tied scores). Small trees draft a narrow beam.
     B, K, dev = batch.size, max(1, min(beam_width, num_nodes - 1)), batch.ids.device
-    H = batch.feats.shape[-1]
+    Hf = batch.feats.shape[-1]  # the target's feature width (H, or more for an EAGLE-3 draft)
     # -- the newly verified pairs (x_{t+1}, f_t), t in [draft_len, L), as a padded chain
     T = max(L - d for L, d in zip(batch.length, batch.draft_len))
     last = (batch.length_dev - batch.draft_len_dev - 1).long()  # chain node of each row's last real pair
     t = batch.draft_len_dev.long().unsqueeze(1) + torch.minimum(torch.arange(T, device=dev).unsqueeze(0),
                                                               last.unsqueeze(1))
-    chain = (batch.ids.gather(1, t + 1), batch.feats.gather(1, t.unsqueeze(-1).expand(B, T, H)), t,
+    chain = (batch.ids.gather(1, t + 1), draft.draft_input(batch.feats.gather(1, t.unsqueeze(-1).expand(B, T, Hf))), t,
              (torch.arange(T, dtype=torch.int32, device=dev) - 1).expand(B, T))
     prefix = batch.draft_len_dev
     levels = [chain]  # (tokens, features, positions, parents) per block of the round's draft tree
@@ -105,6 +109,7 @@ def draft_tree(draft, batch: BatchState, depth: int, beam_width: int, num_nodes:
 
     # -- position 1: specialist 0 on the chain; the last real pair predicts the root's children
     out = forward(draft.specialist_for(1), catch_up=True)
+    H = out.shape[-1]  # the draft's hidden size
     ran = {draft.specialist_for(1)}
     root_out = out.gather(1, last.view(B, 1, 1).expand(B, 1, H))
     logp = draft.log_probs(root_out)  # [B, 1, V]

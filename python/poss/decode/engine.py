@@ -266,7 +266,7 @@ class DecodeEngine:
         limit = self.gen.context_limit
         self._ensure(B + len(new), max(min(limit, len(r.prompt) + r.max_new_tokens) + self.slack for r in new))
         runner, draft = self.gen.runner, self.gen.draft
-        sub = BatchState(new, runner.hidden_size, self.capacity, runner.dtype, runner.device, self.with_feats)
+        sub = BatchState(new, runner.feature_width, self.capacity, runner.dtype, runner.device, self.with_feats)
         cache, draft_caches = runner.cache, draft.caches if self.speculate else None
         runner.cache = cache.rows(B)  # the prefill and warm-up write rows B .. B+n-1
         if self.speculate:

@@ -81,8 +81,10 @@ def load(target: Union[str, Path] = "smollm2-135m", draft: Optional[Union[str, P
                           quantized=None if blocks is None else blocks(model.config))
     d = None
     if draft is not None:
-        d = PosSDraft.load(draft, dtype=dtype, device=device, vocab=draft_vocab).attach(runner, max_batch=1,
-                                                                                       max_seq=256)
+        d = PosSDraft.load(draft, dtype=dtype, device=device, vocab=draft_vocab)
+        # An EAGLE-3 draft reads several target layers: the runner returns them in the same pass.
+        runner.set_feature_layers(d.feature_layers_for(len(runner.layers)))
+        d.attach(runner, max_batch=1, max_seq=256)
     gen = Generator(runner, tokenizer=tokenizer, draft=d, context_limit=context_limit, target_path=path,
                     generation_config=getattr(model, "generation_config", None),
                     datastore=load_datastore(datastore, target, runner))

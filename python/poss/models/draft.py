@@ -4,6 +4,12 @@ Specialist j (:class:`poss.models.specialist.Specialist`) is a Llama decoder lay
 norm, with its own q/k/v/o, post-attention RMSNorm, SwiGLU MLP and KV cache. The embedding and lm_head
 are the target's (shared, never copied or saved). Switching specialists passes another weight set to
 the same fused ``poss::specialist_forward`` op.
+
+An ``eagle3`` draft (``DraftConfig.features``, EAGLE-3 and PosS on EAGLE-3 features) differs in three
+places: ``fc [H, n*H]`` fuses n target layers' hidden states (no embedding half) into the first step's
+input, and deeper steps read the draft's own output instead (:meth:`PosSDraft.draft_input`); each
+specialist is EAGLE-3's layer (``poss::eagle3_layer_forward``); and the draft scores with its own final
+``norm`` and ``lm_head [K, H]``. The embedding is still the target's.
 """
 
 import os
@@ -22,7 +28,7 @@ from poss.models.draft_interop import load_foreign
 from poss.models.kv_cache import StaticKVCache
 from poss.models.published import layout_of
 from poss.models.quant_weight import QuantWeight, project
-from poss.models.specialist import Specialist, fuse
+from poss.models.specialist import Specialist, eagle3_inputs, fuse, rms_norm
 
 
 class PosSDraft(nn.Module):
@@ -31,7 +37,13 @@ class PosSDraft(nn.Module):
     def __init__(self, config: DraftConfig):
         super().__init__()
         self.config = config
-        if config.fc_per_specialist:
+        self.eagle3 = config.features == "eagle3"
+        if self.eagle3:
+            self.fc = nn.Linear(config.n_feature_layers * config.hidden, config.hidden, bias=config.fc_bias)
+            # The draft's own final norm and head (EAGLE-3): K rows, the draft vocabulary's (or all V).
+            self.norm = nn.Parameter(torch.ones(config.hidden))
+            self.lm_head = nn.Linear(config.hidden, config.draft_vocab or config.vocab, bias=False)
+        elif config.fc_per_specialist:
             self.fcs = nn.ModuleList(nn.Linear(2 * config.hidden, config.hidden, bias=config.fc_bias)
                                      for _ in range(config.n_specialists))
         else:
@@ -58,9 +70,27 @@ class PosSDraft(nn.Module):
             raise ValueError(f"draft hidden {self.config.hidden} != target hidden {runner.hidden_size}")
         if runner.lm_head.shape[0] != self.config.vocab:
             raise ValueError(f"draft vocabulary {self.config.vocab} != target vocabulary {runner.lm_head.shape[0]}")
+        if self.eagle3:
+            want = self.feature_layers_for(len(runner.layers))
+            got = getattr(runner, "feature_layers", None)
+            if got != want:
+                have = f"layers {list(got)}" if got else "only its final-norm features"
+                raise ValueError(f"this EAGLE-3 draft fuses the target's hidden states {list(want)}, but the target "
+                                 f"runner returns {have}: call runner.set_feature_layers({list(want)}) first "
+                                 f"(poss.load does)")
         blocks = getattr(runner, "lm_head_blocks", None)
         return self.attach_tensors(runner.embed, runner.lm_head, runner.inv_freq, max_batch, max_seq,
-                                   head_blocks=blocks)
+                                   head_blocks=None if self.eagle3 else blocks)
+
+    def feature_layers_for(self, num_layers: int):
+        """The target hidden-state indices an ``eagle3`` draft fuses, for a target of ``num_layers``
+        layers (its config's, else EAGLE-3's default); None for a ``last`` draft."""
+        if not self.eagle3:
+            return None
+        from poss.models.target import check_feature_layers, eagle3_feature_layers
+
+        layers = self.config.feature_layers or eagle3_feature_layers(num_layers)
+        return check_feature_layers(layers, num_layers)
 
     def attach_tensors(self, embed: Tensor, lm_head: Tensor, inv_freq: Tensor, max_batch: int,
                        max_seq: int, head_blocks: Optional[QuantWeight] = None) -> "PosSDraft":
@@ -68,7 +98,8 @@ class PosSDraft(nn.Module):
         ``head_blocks``: the same lm_head as GGUF blocks (a target loaded with ``dtype="gguf"`` whose file
         quantizes it), which the draft's head then runs instead (:meth:`logits`)."""
         self._target = (embed, lm_head, inv_freq)
-        self._head = self.head_rows(lm_head)
+        # An EAGLE-3 draft scores with its own lm_head (a parameter: stored here it would be registered twice).
+        self._head = None if self.eagle3 else self.head_rows(lm_head)
         # A row of blocks decodes to that row alone (blocks run along K), so gathering whole rows of
         # blocks keeps the file's values exactly, and the head streams the file's bytes, not a float copy.
         self._head_blocks = None
@@ -88,7 +119,8 @@ class PosSDraft(nn.Module):
         # (poss.huge_pages): on 2 MB pages PosS-2's draft phase took ~0.1 ms less (of ~0.9; AVX512-BF16
         # EPYC, one thread). The parameters stay parameters; only their storage moves.
         params = list(self.parameters())
-        own_head = self.token_map is not None  # else the head is the target's lm_head, already moved
+        # Else the head is the target's lm_head, already moved, or an EAGLE-3 draft's own (a parameter).
+        own_head = self.token_map is not None and not self.eagle3
         blocks = self._head_blocks is not None and own_head
         heads = ([self._head] if own_head else []) + ([self._head_blocks.blocks] if blocks else [])
         packed = pack_on_huge_pages([p.data for p in params] + heads)
@@ -123,11 +155,32 @@ class PosSDraft(nn.Module):
         return self.fcs[j] if self.config.fc_per_specialist else self.fc
 
     # -- forward ---------------------------------------------------------------------------------
+    def draft_input(self, target_features: Tensor) -> Tensor:
+        """What the first draft step reads from the target's features ``[..., W]`` (the runner's
+        :meth:`~poss.models.target.TargetRunner.forward` output): a ``last`` draft its first H columns
+        (the final-norm feature; all of them when W = H), an ``eagle3`` draft ``fc`` over the last
+        ``n * H`` (the n target layers): ``[..., H]`` in the draft's dtype. Differentiable in ``fc``
+        when grad is enabled (training); ``ValueError`` when the width does not fit the draft.
+        """
+        c, W = self.config, target_features.shape[-1]
+        if not self.eagle3:
+            return target_features if W == c.hidden else target_features[..., :c.hidden]
+        n = c.n_feature_layers
+        if W != (1 + n) * c.hidden:
+            raise ValueError(f"this EAGLE-3 draft reads the final-norm feature plus {n} target layers' hidden "
+                             f"states ({(1 + n) * c.hidden} features per token), got {W}: the target runner "
+                             f"needs set_feature_layers with {n} layers")
+        x = target_features[..., c.hidden:].to(self.fc.weight.dtype)
+        if torch.is_grad_enabled() and self.fc.weight.requires_grad:
+            return self.fc(x)
+        return poss_ext.ops.linear(x.contiguous(), self.fc.weight, self.fc.bias)
+
     def step(self, j: int, tokens: Tensor, features: Tensor, positions: Tensor, parents: Tensor,
              prefix_len: Tensor, check_capacity: bool = True, eager: bool = False) -> Tensor:
         """Specialist j over T new tokens (the last T nodes of ``parents``), writing its KV cache.
 
-        tokens ``[B, T] int64`` (x_{t+1}), features ``[B, T, H]`` (f_t, target or draft), positions
+        tokens ``[B, T] int64`` (x_{t+1}), features ``[B, T, H]`` (f_t, target or draft; an ``eagle3``
+        draft's: :meth:`draft_input` of the target's, or the draft's own output), positions
         ``[B, T] int64``, parents ``[B, N] int32``, prefix_len ``[B] int32`` (specialist j's committed
         length). Returns the output features ``[B, T, H]``; :meth:`log_probs` gives the distribution.
 
@@ -141,31 +194,52 @@ class PosSDraft(nn.Module):
             self.caches.check_fits(prefix_len, parents.shape[1])
         k, v = self.caches.layer(j)
         e = nn.functional.embedding(tokens, embed).to(features.dtype)
+        c = self.config
+        if self.eagle3:
+            layer = self.layers[j]
+            if eager:
+                (a,) = eagle3_inputs(layer, e, [features])
+                return layer(a, k[:B], v[:B], prefix_len, parents, positions, inv_freq, residual=features)
+            with torch.no_grad():
+                return poss_ext.ops.eagle3_layer_forward(
+                    e, features, *layer.fused_weights(), k[:B], v[:B], prefix_len, parents, positions, inv_freq,
+                    c.heads, c.kv_heads, c.rms_eps)
         fc = self.fc_for(j)
         if eager:
             (u,) = fuse(fc, e, [features])
             return self.layers[j](u, k[:B], v[:B], prefix_len, parents, positions, inv_freq)
-        c = self.config
         with torch.no_grad():
             return poss_ext.ops.specialist_forward(
                 e, features, fc.weight, fc.bias, *self.layers[j].fused_weights(), k[:B], v[:B],
                 prefix_len, parents, positions, inv_freq, c.heads, c.kv_heads, c.rms_eps)
 
     def head_rows(self, lm_head: Tensor) -> Tensor:
-        """The rows of the target's ``lm_head [V, H]`` this draft scores: ``[K, H]`` (all V without a token map)."""
+        """The rows of the target's ``lm_head [V, H]`` this draft scores: ``[K, H]`` (all V without a token
+        map); an ``eagle3`` draft's own head."""
+        if self.eagle3:
+            return self.lm_head.weight
         if self.token_map is None:
             return lm_head
         return lm_head.index_select(0, self.token_map.to(lm_head.device))
 
     def logits(self, out_features: Tensor) -> Tensor:
         """Target lm_head over the specialist output (no norm in between): ``[..., K]`` over the draft
-        vocabulary (``K = V`` without a token map; map indices back with :meth:`full_ids`)."""
+        vocabulary (``K = V`` without a token map; map indices back with :meth:`full_ids`). An ``eagle3``
+        draft: its own ``lm_head(norm(out))``."""
         self.target  # noqa: B018  (raises when not attached)
-        training = torch.is_grad_enabled() and out_features.requires_grad
-        if (self._head_blocks is not None and not training and out_features.device.type == "cpu"
-                and out_features.dtype in (torch.float32, torch.bfloat16)):
-            return project(out_features, self._head_blocks)  # the target's quantized rows (attach_tensors)
-        head = self._head.to(out_features.dtype)
+        training = torch.is_grad_enabled() and (out_features.requires_grad or self.eagle3)
+        if self.eagle3:
+            head = self.lm_head.weight.to(out_features.dtype)
+            if training:
+                out_features = rms_norm(out_features, self.norm, self.config.rms_eps)
+            else:
+                out_features = poss_ext.ops.rms_norm(out_features.contiguous(), self.norm.to(out_features.dtype),
+                                                     self.config.rms_eps)
+        else:
+            if (self._head_blocks is not None and not training and out_features.device.type == "cpu"
+                    and out_features.dtype in (torch.float32, torch.bfloat16)):
+                return project(out_features, self._head_blocks)  # the target's quantized rows (attach_tensors)
+            head = self._head.to(out_features.dtype)
         if training:
             return out_features @ head.t()  # training: poss::linear has no backward
         return poss_ext.ops.linear(out_features, head)
@@ -217,6 +291,9 @@ class PosSDraft(nn.Module):
             return load_foreign(d, dtype=dtype, device=device, vocab=vocab)
         config = DraftConfig.load(d / "config.json")
         state = load_file(str(d / "model.safetensors"))
+        if vocab == "full" and config.features == "eagle3":
+            raise ValueError(f"{d} is an EAGLE-3 draft: it scores with its own head of "
+                             f"{config.draft_vocab or config.vocab} rows, so vocab 'full' does not apply")
         if vocab == "full" and config.draft_vocab:
             config = replace(config, draft_vocab=0)
             state.pop("token_map", None)
@@ -245,6 +322,8 @@ class PosSDraft(nn.Module):
         if any((m is None) != (maps[0] is None) or (m is not None and not torch.equal(m, maps[0])) for m in maps):
             raise ValueError("the source drafts score different vocabularies (their token_map differ)")
         sd = {} if maps[0] is None else {"token_map": maps[0]}
+        # An EAGLE-3 draft's own final norm and head: the first source's.
+        sd.update({k: state_dicts[0][k] for k in ("norm", "lm_head.weight") if k in state_dicts[0]})
         for j, src in enumerate(state_dicts):
             fc = {k[len("fc."):]: v for k, v in src.items() if k.startswith("fc.")}
             if config.fc_per_specialist:

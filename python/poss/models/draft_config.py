@@ -6,6 +6,10 @@ from pathlib import Path
 from typing import Dict, List
 
 DRAFT_VOCABS = ("trained", "full")  # PosSDraft.load's vocab: the rows of the target's lm_head a draft scores
+# What a draft's layers read: "last", the target's final-norm feature fused with the token embedding
+# (EAGLE-1/2, HASS, PosS); "eagle3", several target layers fused by fc, EAGLE-3's layer (input and hidden
+# norms, q/k/v over [embedding; hidden]) and the draft's own final norm and lm_head.
+DRAFT_FEATURES = ("last", "eagle3")
 
 
 @dataclass
@@ -17,6 +21,12 @@ class DraftConfig:
     positions each specialist drafts, e.g. ``[1, 5]``: specialist 0 drafts position 1, specialist 1
     positions 2-6), the specialist whose span holds p; the last one also drafts every deeper position.
     ``fc_per_specialist``: each specialist has its own fusion layer ``fc`` (the PosS reference ties one).
+
+    ``features = "eagle3"`` (:data:`DRAFT_FEATURES`): ``fc`` fuses the target's hidden states at
+    ``feature_layers`` (hidden-state indices, :func:`poss.models.target.eagle3_feature_layers`; empty:
+    EAGLE-3's default for the target it attaches to, and then three layers) into the first draft step's
+    input; deeper steps read the draft's own output. One specialist is EAGLE-3; several are PosS on
+    EAGLE-3 features.
     """
 
     hidden: int
@@ -36,6 +46,8 @@ class DraftConfig:
     target_name: str = ""
     target_fingerprint: str = ""
     training: Dict = field(default_factory=dict)  # recipe + data fingerprint, written by poss.train
+    features: str = "last"  # DRAFT_FEATURES
+    feature_layers: List[int] = field(default_factory=list)  # "eagle3": target hidden-state indices; [] = default
 
     def __post_init__(self):
         for name in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab", "n_specialists",
@@ -54,6 +66,21 @@ class DraftConfig:
                                  f"{self.n_specialists} specialists, got {self.schedule!r}")
         if not 0 <= self.draft_vocab <= self.vocab:
             raise ValueError(f"draft_vocab must be in [0, vocab={self.vocab}], got {self.draft_vocab}")
+        if self.features not in DRAFT_FEATURES:
+            raise ValueError(f"features must be one of {', '.join(DRAFT_FEATURES)}, got {self.features!r}")
+        if not isinstance(self.feature_layers, list) or any(
+                not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in self.feature_layers):
+            raise ValueError(f"feature_layers must list non-negative hidden-state indices, got {self.feature_layers!r}")
+        if self.features == "last" and self.feature_layers:
+            raise ValueError("feature_layers needs features 'eagle3' (a 'last' draft reads the final-norm feature)")
+        if self.features == "eagle3" and self.fc_per_specialist:
+            raise ValueError("features 'eagle3' fuses the target layers once per round (one fc), "
+                             "so fc_per_specialist must be false")
+
+    @property
+    def n_feature_layers(self) -> int:
+        """How many target layers an ``eagle3`` draft's fc reads (EAGLE-3's three by default); 0 for ``last``."""
+        return 0 if self.features == "last" else (len(self.feature_layers) or 3)
 
     def specialist_for(self, position: int) -> int:
         """Specialist index drafting 1-based draft position ``position``."""

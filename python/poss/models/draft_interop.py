@@ -17,7 +17,7 @@ from torch import Tensor
 
 from poss.models.checkpoint_files import FILE_FORMATS, write_weights
 from poss.models.draft_config import DRAFT_VOCABS, DraftConfig
-from poss.models.eagle3_draft import Eagle3Config, Eagle3Draft, refuse_inference
+from poss.models.eagle3_draft import Eagle3Config, Eagle3Draft, as_draft_config, from_draft_config
 from poss.models.published import (
     LAYOUT_NAMES,
     LAYOUTS,
@@ -34,15 +34,24 @@ EMBED_ROWS_CHECKED = 256  # rows of a checkpoint's embed_tokens compared with th
 
 def load_foreign(folder, dtype: torch.dtype = torch.float32, device="cpu", vocab: str = "trained",
                  positions_per_specialist: Optional[int] = None):
-    """The :class:`~poss.models.draft.PosSDraft` in ``folder``, a published ``eagle`` / ``poss-ref``
-    layout (arguments as :meth:`PosSDraft.load`). EAGLE-3 folders (published or imported) raise
-    ``ValueError`` (:func:`~poss.models.eagle3_draft.refuse_inference`)."""
+    """The :class:`~poss.models.draft.PosSDraft` in ``folder``, a published ``eagle`` / ``poss-ref`` /
+    ``eagle3`` layout or an imported EAGLE-3 folder (arguments as :meth:`PosSDraft.load`). An EAGLE-3
+    draft becomes a one-specialist ``eagle3`` draft (:func:`~poss.models.eagle3_draft.as_draft_config`);
+    it scores with its own head, so ``vocab="full"`` is refused."""
     from poss.models.draft import PosSDraft
 
     if vocab not in DRAFT_VOCABS:
         raise ValueError(f"vocab must be one of {', '.join(DRAFT_VOCABS)}, got {vocab!r}")
-    if layout_of(folder) in ("eagle3", "poss-eagle3"):
-        refuse_inference(str(folder))
+    kind = layout_of(folder)
+    if kind in ("eagle3", "poss-eagle3"):
+        if vocab == "full":
+            raise ValueError(f"{folder} is an EAGLE-3 draft: it scores with its own head, so vocab 'full' "
+                             "does not apply")
+        e3 = Eagle3Draft.load(folder) if kind == "poss-eagle3" else read_published(folder)
+        config, state = as_draft_config(e3.config, str(folder)), dict(e3.state)
+        model = PosSDraft(config)
+        model.load_state_dict(state, strict=True)
+        return model.to(dtype=dtype, device=device).eval()
     conv = read_published(folder, positions_per_specialist)
     config, state = conv.config, dict(conv.state)
     if vocab == "full" and config.draft_vocab:
@@ -192,12 +201,20 @@ def export_draft(folder, layout: str, out, embed: Optional[Tensor] = None, file_
         state, cfg = to_eagle3(draft, embed)
         config = draft.config
     else:
-        if layout == "eagle3":
+        config = DraftConfig.load(src / "config.json")
+        if config.features == "eagle3":  # an EAGLE-3 draft poss trained
+            if layout != "eagle3":
+                raise ValueError(f"{src} is an EAGLE-3 draft (fc over target layers, its own head), which only the "
+                                 "eagle3 layout can hold")
+            draft = Eagle3Draft(from_draft_config(config), load_file(str(src / "model.safetensors")))
+            state, cfg = to_eagle3(draft, embed)
+            config = draft.config
+        elif layout == "eagle3":
             raise ValueError(f"{src} is an EAGLE-2-style draft (fc over [embedding; feature]); the eagle3 layout "
                              "holds EAGLE-3 drafts (fc over three target layers): use --format eagle or poss-ref")
-        config = DraftConfig.load(src / "config.json")
-        state, cfg, token_map = to_eagle(config, load_file(str(src / "model.safetensors")), layout, embed,
-                                         max_positions)
+        else:
+            state, cfg, token_map = to_eagle(config, load_file(str(src / "model.safetensors")), layout, embed,
+                                             max_positions)
     out = Path(out)
     files = write_weights(out, state, file_format, max_shard_bytes)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

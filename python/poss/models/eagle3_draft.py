@@ -1,13 +1,13 @@
-"""An EAGLE-3 draft's weights in poss's folder format, kept for conversion until poss can run EAGLE-3.
+"""An imported EAGLE-3 draft's weights in poss's folder format, as ``poss import`` writes them.
 
 EAGLE-3 (Li et al. 2025) is not the PosS / EAGLE-2 draft with other names: its ``fc`` fuses three target
 layers' hidden states (``3 * target_hidden`` inputs, no embedding), the decoder layer normalises the
 embedding (``input_layernorm``) and the fused feature (``hidden_norm``) and attends over their
 concatenation (q/k/v over ``2 * hidden``), and it scores its own reduced vocabulary with its own
-``norm`` and ``lm_head`` (``d2t`` maps draft ids to target ids). Running it needs a target that returns
-those three layers' features, which :class:`poss.models.target.TargetRunner` does not yet do, so
-:func:`refuse_inference` stops every attempt with a message saying so; ``poss import`` / ``poss export``
-still convert the tensors, bit for bit.
+``norm`` and ``lm_head`` (``d2t`` maps draft ids to target ids). This format keeps the published
+config for ``poss export --format eagle3`` (bit for bit); :func:`as_draft_config` gives the
+:class:`~poss.models.draft_config.DraftConfig` (``features = "eagle3"``) under which
+:class:`~poss.models.draft.PosSDraft` runs the same tensors, with the same names.
 
 Stored names (packed as poss packs its specialists): ``fc.weight [H, 3*Ht]`` (``fc.bias [H]`` when the
 config has ``bias``), ``layers.0.qkv_proj.weight [(heads + 2*kv_heads) * head_dim, 2*H]``,
@@ -127,11 +127,36 @@ def is_eagle3_folder(config: Optional[dict]) -> bool:
     return isinstance(config, dict) and config.get("method") == EAGLE3_METHOD and "hidden" in config
 
 
-def refuse_inference(where: str) -> None:
-    """Raise the error every attempt to decode with an EAGLE-3 draft ends in, naming ``where``."""
-    raise ValueError(f"{where} is an EAGLE-3 draft: it drafts from three target layers' hidden states, "
-                     "which poss's target runner does not return yet, so it cannot decode here; "
-                     "`poss export --format eagle3` writes it for SGLang / vLLM / the EAGLE code")
+def as_draft_config(config: Eagle3Config, where: str = "this EAGLE-3 draft"):
+    """The :class:`~poss.models.draft_config.DraftConfig` that runs an EAGLE-3 draft's tensors as a
+    one-specialist ``eagle3`` :class:`~poss.models.draft.PosSDraft` (EAGLE-3's default target layers).
+
+    ``ValueError`` when its hidden size differs from the target's (``target_hidden``): poss shares the
+    target's embedding with the draft, so the two widths must agree."""
+    from poss.models.draft_config import DraftConfig
+
+    c = config
+    if c.target_hidden != c.hidden:
+        raise ValueError(f"{where}: its hidden size {c.hidden} differs from its target's {c.target_hidden}; "
+                         "poss runs EAGLE-3 drafts as wide as their target only")
+    return DraftConfig(hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim, ffn=c.ffn,
+                       vocab=c.vocab, rope=dict(c.rope), rms_eps=c.rms_eps, fc_bias=c.fc_bias,
+                       draft_vocab=c.draft_vocab, target_name=c.target_name,
+                       target_fingerprint=c.target_fingerprint, features="eagle3")
+
+
+def from_draft_config(config, source_config: Optional[Dict] = None) -> Eagle3Config:
+    """The :class:`Eagle3Config` of a one-specialist ``eagle3`` poss draft (what ``poss export
+    --format eagle3`` writes); ``ValueError`` for any other draft."""
+    c = config
+    if c.features != "eagle3" or c.n_specialists != 1 or c.n_feature_layers != 3:
+        raise ValueError("the eagle3 layout holds one EAGLE-3 layer over three target layers; this draft has "
+                         f"features {c.features!r}, {c.n_specialists} specialist(s), {c.n_feature_layers} "
+                         "target layers")
+    return Eagle3Config(hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim, ffn=c.ffn,
+                        vocab=c.vocab, target_hidden=c.hidden, draft_vocab=c.draft_vocab, fc_bias=c.fc_bias,
+                        rms_eps=c.rms_eps, rope=dict(c.rope), target_name=c.target_name,
+                        target_fingerprint=c.target_fingerprint, source_config=dict(source_config or {}))
 
 
 def token_map_from_d2t(d2t: Tensor) -> Tensor:

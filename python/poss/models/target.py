@@ -2,7 +2,9 @@
 
 Every layer is one ``poss::decoder_layer`` call (fused RMSNorm, QKV + RoPE + KV write, tree
 attention, SwiGLU) over a preallocated :class:`StaticKVCache`. A prefill is a chain tree. The
-runner returns logits and the final-norm hidden states ("features") the draft consumes.
+runner returns logits and the final-norm hidden states ("features") the draft consumes; with
+``feature_layers`` (EAGLE-3 drafts) the features also carry those layers' hidden states, taken in
+the same pass.
 """
 
 import hashlib
@@ -19,6 +21,32 @@ from poss.models.quant_weight import QuantWeight, Weight, decoder_layer, project
 from poss.models.tree import chain_parents
 
 SUPPORTED_MODEL_TYPES = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
+
+
+def eagle3_feature_layers(num_layers: int) -> Tuple[int, int, int]:
+    """EAGLE-3's low / middle / high target layers for a target of ``num_layers`` decoder layers.
+
+    Indices count as ``transformers``' ``hidden_states`` do: ``i`` is the input of decoder layer ``i``
+    (the output of layer ``i - 1``; 0 the embeddings, ``num_layers`` the final-norm output, as
+    ``transformers`` returns it). EAGLE-3, SGLang and vLLM take the inputs of layers 2,
+    ``num_layers // 2`` and ``num_layers - 3``.
+    """
+    if num_layers < 3:
+        raise ValueError(f"EAGLE-3's default feature layers (2, L // 2, L - 3) need a target of at least 3 "
+                         f"layers, this one has {num_layers}: give the feature layers explicitly")
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def check_feature_layers(layers: Sequence[int], num_layers: int) -> Tuple[int, ...]:
+    """``layers`` as a tuple of ints in ``[0, num_layers]``, or ``ValueError`` naming the bad one."""
+    out = tuple(layers)
+    if not out:
+        raise ValueError("feature_layers must name at least one layer")
+    for i in out:
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i <= num_layers:
+            raise ValueError(f"feature_layers: {i!r} is not a hidden-state index in [0, {num_layers}] "
+                             f"(this target has {num_layers} layers)")
+    return out
 
 
 def check_architecture(config) -> None:
@@ -125,10 +153,14 @@ class TargetRunner:
             draft's head runs the rows it scores of :attr:`lm_head_blocks` (:meth:`PosSDraft.attach_tensors`).
             Blocks of the wrong shape for their weight, or with an inf / NaN scale, are a ``ValueError``
             naming the weight.
+        feature_layers: hidden-state indices (:func:`eagle3_feature_layers`) whose hidden states the
+            features carry beside the final-norm ones (:meth:`set_feature_layers`); None: the final-norm
+            ones only.
     """
 
     def __init__(self, hf_model, max_batch: int, max_seq: int, dtype: Optional[torch.dtype] = None,
-                 huge_pages: bool = True, quantized: Optional[Dict[str, QuantWeight]] = None):
+                 huge_pages: bool = True, quantized: Optional[Dict[str, QuantWeight]] = None,
+                 feature_layers: Optional[Sequence[int]] = None):
         cfg = hf_model.config
         check_architecture(cfg)
         if getattr(cfg, "hidden_act", "silu") != "silu":
@@ -181,6 +213,20 @@ class TargetRunner:
             self._fingerprint = model_fingerprint(hf_model)
         self.cache = StaticKVCache.zeros(len(self.layers), max_batch, self.num_kv_heads, max_seq,
                                          self.head_dim, self.dtype, self.device)
+        self.feature_layers: Optional[Tuple[int, ...]] = None
+        self.set_feature_layers(feature_layers)
+
+    def set_feature_layers(self, layers: Optional[Sequence[int]]) -> "TargetRunner":
+        """Make :meth:`forward` return, after the final-norm features, the hidden states of ``layers``
+        (hidden-state indices, :func:`eagle3_feature_layers`) concatenated in that order: features
+        ``[..., (1 + n) * H]``. None: the final-norm features only (the default, nothing extra computed)."""
+        self.feature_layers = None if layers is None else check_feature_layers(layers, len(self.layers))
+        return self
+
+    @property
+    def feature_width(self) -> int:
+        """The width of :meth:`forward`'s features: H, or ``(1 + len(feature_layers)) * H``."""
+        return self.hidden_size * (1 + len(self.feature_layers or ()))
 
     def _move_weights_to_huge_pages(self) -> None:
         fields = [(p, k) for p in self.layers for k in vars(p)]
@@ -239,7 +285,9 @@ class TargetRunner:
             logits: also apply the lm_head (training only needs the features).
         Returns:
             logits ``[B, T, V]`` (None when ``logits=False``) and features ``[B, T, H]`` (hidden
-            states after the final norm), in the runner's dtype. Only the cache is written.
+            states after the final norm), in the runner's dtype; with :attr:`feature_layers`,
+            ``[B, T, (1 + n) * H]``: the final-norm states, then the hidden states at index
+            ``feature_layers[i]`` (:func:`eagle3_feature_layers`), taken in this pass. Only the cache is written.
         """
         B = tokens.shape[0]
         if check_capacity:
@@ -247,7 +295,10 @@ class TargetRunner:
                 raise ValueError(f"batch {B} exceeds the cache's max_batch={self.cache.batch}")
             self.cache.check_fits(prefix_len, parents.shape[1])
         x = torch.nn.functional.embedding(tokens, self.embed)
+        taps = {}
         for i, p in enumerate(self.layers):
+            if self.feature_layers is not None and i in self.feature_layers:
+                taps[i] = x  # hidden_states[i]: the input of layer i (layers return new tensors)
             k, v = self.cache.layer(i)
             # GGUF blocks: the same ops, each projection through qlinear where it has blocks.
             layer = decoder_layer if self.quantized else poss_ext.ops.decoder_layer
@@ -256,12 +307,20 @@ class TargetRunner:
             x = layer(x, *args, k[:B], v[:B], prefix_len, parents, positions, self.inv_freq,
                       self.num_heads, self.num_kv_heads, self.eps)
         features = poss_ext.ops.rms_norm(x, self.final_norm_w, self.eps)
-        return (self.logits(features) if logits else None), features
+        out_logits = self.logits(features) if logits else None
+        if self.feature_layers is not None:
+            taps[len(self.layers)] = features  # as transformers' last hidden state: after the final norm
+            features = torch.cat([features] + [taps[i] for i in self.feature_layers], -1)
+        return out_logits, features
 
     __call__ = forward
 
     def logits(self, features: Tensor) -> Tensor:
-        """The lm_head: ``[..., H]`` features -> ``[..., V]`` logits in the runner's dtype."""
+        """The lm_head: ``[..., H]`` features (or :meth:`forward`'s wider ones: their first H columns)
+        -> ``[..., V]`` logits in the runner's dtype."""
+        H = self.hidden_size
+        if features.shape[-1] != H:
+            features = features[..., :H].contiguous()
         return project(features, self.lm_head if self.lm_head_blocks is None else self.lm_head_blocks)
 
     @torch.no_grad()
@@ -270,7 +329,8 @@ class TargetRunner:
 
         Returns:
             last_logits ``[B, V]`` at each prompt's last token, and features ``[B, L_max, H]``
-            (rows past a prompt's length are padding).
+            (``[B, L_max, feature_width]`` with :attr:`feature_layers`; rows past a prompt's length are
+            padding).
         """
         B = len(prompts)
         if B > self.cache.batch:

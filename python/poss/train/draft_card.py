@@ -148,6 +148,12 @@ def architecture(c: dict, recipe: dict) -> str:
     layers = (f"{c['n_specialists']} decoder layers, the position specialists (each drafts "
               f"{plural(c['positions_per_specialist'], 'consecutive position')}, the last one also every deeper one)"
               if recipe["method"] == "poss" else "1 decoder layer that drafts every position")
+    if c.get("features") == "eagle3":
+        layers_at = c.get("feature_layers") or "at the EAGLE-3 default layers"
+        fc = (f"a fc fusing the target's hidden states {layers_at} (3H -> H), EAGLE-3 layers (q/k/v over "
+              "[embedding; hidden]) and its own final norm and lm_head, ")
+        return (f"A `poss` draft on EAGLE-3 features: {fc}{layers}; hidden {c['hidden']}, {c['heads']} heads / "
+                f"{c['kv_heads']} KV heads, FFN {c['ffn']}.")
     return (f"A `poss` draft: a shared fc (2H -> H) plus {layers}; hidden {c['hidden']}, {c['heads']} heads / "
             f"{c['kv_heads']} KV heads, FFN {c['ffn']}.")
 
@@ -165,6 +171,10 @@ def vocabulary(c: dict) -> str:
 def method_text(c: dict, r: dict) -> str:
     if r["method"] == "eagle2":
         what = "EAGLE-2: 1 teacher-forced step (the draft sees the target's features only)"
+    elif r.get("draft_features") == "eagle3":
+        name = "EAGLE-3" if r["method"] == "eagle3" else f"PosS-{r['positions_per_specialist']} on EAGLE-3 features"
+        what = (f"{name}: EAGLE-3's training-time test over {r['steps']} steps (the draft's own outputs fed back, "
+                "gradients through them; cross-entropy only)")
     else:
         name = "HASS" if r["method"] == "hass" else f"PosS-{r['positions_per_specialist']}"
         what = f"{name}: {r['steps']} aligned training steps (the draft's own features feed the later ones)"

@@ -5,6 +5,11 @@ runner and returns the final-norm hidden states f_0..f_{L-1}. Nothing is written
 targets, where re-running the target every epoch (and for every method trained on the same data)
 costs more than reading 2 bytes per feature, :class:`CachedFeatures` keeps each example's features
 in sharded fp16 safetensors files and computes only the misses.
+
+With the runner's ``feature_layers`` set (EAGLE-3 drafts), the features are the runner's wider ones
+(final-norm states, then those layers' hidden states). A cache folder records the layers it holds in
+``features.json`` and refuses features of other layers; :func:`make_features` keeps them in a
+``layers-I-J-K`` subfolder, so one cache folder serves both kinds.
 """
 
 import json
@@ -50,16 +55,37 @@ class OnlineFeatures:
         return f * valid.unsqueeze(-1).to(f.dtype)
 
 
+META_FILE = "features.json"  # which target layers a cache folder holds
+
+
 class FeatureCache:
     """Per-example fp16 features in sharded safetensors files under ``directory``.
 
     Writes are buffered and flushed as one shard of about ``shard_mb`` MB; ``index.json`` maps example
     index -> shard and is rewritten after each flush, so a killed run keeps every flushed shard.
+    ``feature_layers``: the runner's (None: final-norm features only), recorded in ``features.json``;
+    a folder that records other layers raises ``ValueError`` (a folder without the file holds
+    final-norm features: every cache written before the file existed).
     """
 
-    def __init__(self, directory, shard_mb: int = 64):
+    def __init__(self, directory, shard_mb: int = 64, feature_layers: Optional[Sequence[int]] = None):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
+        want = None if feature_layers is None else [int(i) for i in feature_layers]
+        meta = self.dir / META_FILE
+        if meta.exists():
+            got = json.loads(meta.read_text()).get("feature_layers")
+        elif (self.dir / "index.json").exists():
+            got = None  # written before features.json existed, or by a final-norm run (which writes none)
+        else:
+            got = want  # a new folder: it holds what this run writes
+            if want is not None:
+                meta.write_text(json.dumps({"feature_layers": want}) + "\n")
+        if got != want:
+            have = f"layers {got}" if got is not None else "final-norm features only"
+            need = f"layers {want}" if want is not None else "final-norm features only"
+            raise ValueError(f"feature cache {self.dir} holds {have}, this run needs {need}: "
+                             "use another --feature-cache or online features")
         self.shard_bytes = shard_mb << 20
         idx = self.dir / "index.json"
         self.index: Dict[str, str] = json.loads(idx.read_text()) if idx.exists() else {}
@@ -120,7 +146,7 @@ class CachedFeatures:
             for row, b in enumerate(miss):
                 self.cache.put(indices[b], f[row, : int(lengths[b])])
         r = self.online.runner
-        out = torch.zeros(B, L, r.lm_head.shape[1], dtype=r.dtype, device=r.device)
+        out = torch.zeros(B, L, r.feature_width, dtype=r.dtype, device=r.device)
         for b, i in enumerate(indices):
             f = self.cache.get(i)[:L]  # a cache made for longer sequences (--max-len) serves truncated ones
             out[b, : f.shape[0]] = f.to(out.device, r.dtype)
@@ -128,8 +154,13 @@ class CachedFeatures:
 
 
 def make_features(runner: TargetRunner, feature_cache=None, rank: int = 0):
-    """Online features, or cached ones in ``feature_cache/rank{rank}`` when a cache folder is given."""
+    """Online features, or cached ones in ``feature_cache/rank{rank}`` when a cache folder is given
+    (``feature_cache/layers-I-J-K/rank{rank}`` when the runner returns those layers too)."""
     online = OnlineFeatures(runner)
     if not feature_cache:
         return online
-    return CachedFeatures(online, FeatureCache(Path(feature_cache) / f"rank{rank}"))
+    layers = runner.feature_layers
+    folder = Path(feature_cache)
+    if layers is not None:
+        folder = folder / ("layers-" + "-".join(str(i) for i in layers))
+    return CachedFeatures(online, FeatureCache(folder / f"rank{rank}", feature_layers=layers))

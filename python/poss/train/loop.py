@@ -13,8 +13,8 @@ import torch
 
 from poss.hardware import describe as describe_machine
 from poss.models.draft import PosSDraft
-from poss.models.draft_config import DraftConfig
-from poss.models.target import TargetRunner
+from poss.models.draft_config import DRAFT_FEATURES, DraftConfig
+from poss.models.target import TargetRunner, check_feature_layers, eagle3_feature_layers
 from poss.train import checkpoint as ckpt
 from poss.train.data import Example, collate, data_fingerprint
 from poss.train.ddp import DistInfo, average_gradients, broadcast_parameters
@@ -22,7 +22,8 @@ from poss.train.features import VAL_ID_OFFSET, make_features
 from poss.train.objective import Objective, make_batch, position_weights, run_steps
 from poss.train.validate import evaluate
 
-METHODS = ("eagle2", "hass", "poss")
+METHODS = ("eagle2", "hass", "poss", "eagle3")
+DEFAULT_STEPS = {"eagle2": 1, "hass": 3, "poss": 6, "eagle3": 7}  # eagle3: the paper's training-time test
 
 
 @dataclass
@@ -34,7 +35,8 @@ class TrainConfig:
     # positions_per_specialist. The last specialist also drafts every deeper position.
     specialists: Optional[List[int]] = None
     fc_per_specialist: bool = False  # each specialist its own fc (the PosS reference ties one)
-    position_weights: str = "uniform"  # see poss.train.objective.position_weights
+    # See poss.train.objective.position_weights; None: eagle3 (0.8^k) with EAGLE-3 features, else uniform.
+    position_weights: Optional[str] = None
     epochs: int = 1
     batch_size: int = 1
     lr: float = 3e-5
@@ -44,7 +46,7 @@ class TrainConfig:
     clip_value: float = 0.5
     noise_std: float = 0.2
     v_weight: float = 1.0
-    p_weight: float = 0.1
+    p_weight: Optional[float] = None  # None: 1.0 with EAGLE-3 features (their only loss), else 0.1
     topk_weight: float = 0.0
     autocast: str = "bf16"  # bf16 | none
     checkpoint_minutes: float = 10.0
@@ -53,12 +55,33 @@ class TrainConfig:
     # Validate after every epoch and keep the best draft (mean held-out accuracy over the steps) in
     # OUT/best: the loss can keep falling while acceptance drops.
     validate_every_epoch: bool = False
+    # What the draft reads (DraftConfig.features): "last" or "eagle3" (method eagle3 implies it), and
+    # for "eagle3" the target's hidden-state indices (None: EAGLE-3's default for the target).
+    draft_features: Optional[str] = None
+    feature_layers: Optional[List[int]] = None
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.draft_features is None:
+            self.draft_features = "eagle3" if self.method == "eagle3" else "last"
+        if self.draft_features not in DRAFT_FEATURES:
+            raise ValueError(f"draft_features must be one of {DRAFT_FEATURES}, got {self.draft_features!r}")
+        if self.draft_features == "eagle3" and self.method not in ("eagle3", "poss"):
+            raise ValueError(f"EAGLE-3 features train with method 'eagle3' (one layer) or 'poss' (specialists), "
+                             f"not {self.method!r}")
+        if self.method == "eagle3" and self.draft_features != "eagle3":
+            raise ValueError("method 'eagle3' reads EAGLE-3 features (draft_features 'eagle3')")
+        if self.feature_layers is not None:
+            if self.draft_features != "eagle3":
+                raise ValueError("feature_layers needs EAGLE-3 features (draft_features 'eagle3')")
+            self.feature_layers = [int(i) for i in self.feature_layers]
+        if self.position_weights is None:
+            self.position_weights = "eagle3" if self.draft_features == "eagle3" else "uniform"
+        if self.p_weight is None:
+            self.p_weight = 1.0 if self.draft_features == "eagle3" else 0.1
         if self.steps is None:
-            self.steps = {"eagle2": 1, "hass": 3, "poss": 6}[self.method]
+            self.steps = DEFAULT_STEPS[self.method]
         if self.method == "eagle2" and self.steps != 1:
             raise ValueError("eagle2 trains exactly one teacher-forced step (steps=1)")
         if self.steps < 1 or self.positions_per_specialist < 1:
@@ -72,8 +95,9 @@ class TrainConfig:
             if sum(self.specialists[:-1]) >= self.steps:
                 raise ValueError(f"specialists {self.specialists}: the last specialist starts at position "
                                  f"{sum(self.specialists[:-1]) + 1}, past the {self.steps} trained steps")
-        if self.fc_per_specialist and self.method != "poss":
-            raise ValueError("fc_per_specialist needs method 'poss' (a single-layer draft has one fc)")
+        if self.fc_per_specialist and (self.method != "poss" or self.draft_features == "eagle3"):
+            raise ValueError("fc_per_specialist needs method 'poss' on final-norm features (a single-layer draft "
+                             "has one fc; EAGLE-3 features are fused once per round)")
         position_weights(self.position_weights, self.steps)  # raises on a malformed value
         self.betas = tuple(self.betas)
 
@@ -93,6 +117,12 @@ class TrainConfig:
     @property
     def autocast_dtype(self) -> Optional[torch.dtype]:
         return torch.bfloat16 if self.autocast == "bf16" else None
+
+    def target_layers(self, num_layers: int) -> Optional[List[int]]:
+        """The target hidden-state indices an EAGLE-3-feature draft reads (None for final-norm features)."""
+        if self.draft_features != "eagle3":
+            return None
+        return list(check_feature_layers(self.feature_layers or eagle3_feature_layers(num_layers), num_layers))
 
     def objective(self) -> Objective:
         return Objective(self.steps, self.v_weight, self.p_weight, self.topk_weight,
@@ -123,19 +153,32 @@ def new_draft(runner: TargetRunner, cfg: TrainConfig, target_name: str, init_fro
     srcs = [PosSDraft.load(p) for p in init_sources(init_from)]
     if srcs and srcs[0].token_map is not None:
         token_map = srcs[0].token_map
+    layers = cfg.target_layers(len(runner.layers))
     dc = DraftConfig.for_target(runner.config, target_name, runner.fingerprint(), n_specialists=cfg.n_specialists,
-                                positions_per_specialist=cfg.draft_positions_per_specialist, fc_bias=True,
+                                positions_per_specialist=cfg.draft_positions_per_specialist,
+                                fc_bias=cfg.draft_features != "eagle3",  # EAGLE-3's fc has no bias
                                 draft_vocab=0 if token_map is None else int(token_map.numel()),
-                                schedule=list(cfg.specialists or []), fc_per_specialist=cfg.fc_per_specialist)
+                                schedule=list(cfg.specialists or []), fc_per_specialist=cfg.fc_per_specialist,
+                                features=cfg.draft_features, feature_layers=list(layers or []))
     torch.manual_seed(seed)
     if not srcs:
         draft = PosSDraft(dc)
         if token_map is not None:
             draft.token_map.copy_(token_map)
+        if draft.eagle3:
+            # The draft's own head starts as the target's final norm and lm_head rows (its vocabulary's).
+            with torch.no_grad():
+                draft.norm.copy_(runner.final_norm_w.float())
+                draft.lm_head.weight.copy_(
+                    runner.lm_head.float().cpu().index_select(0, torch.arange(dc.vocab) if token_map is None
+                                                              else token_map.cpu().long()))
         return draft
     paths = init_sources(init_from)
     for path, src in zip(paths, srcs):
         src.config.check_target(dc.target_fingerprint, what=path)
+        if src.config.features != dc.features or src.config.n_feature_layers != dc.n_feature_layers:
+            raise ValueError(f"init_from {path}: a draft on {src.config.features!r} features cannot start one on "
+                             f"{dc.features!r} features")
     return PosSDraft.from_layers(init_layers(paths, srcs, dc), dc)
 
 
@@ -150,8 +193,9 @@ def init_layers(paths: List[str], srcs: List[PosSDraft], dc: DraftConfig) -> Lis
         fc = f"fcs.{j}." if src.config.fc_per_specialist else "fc."
         out = {"fc." + k[len(fc):]: v for k, v in sd.items() if k.startswith(fc)}
         out.update({"layers.0." + k[len(f"layers.{j}."):]: v for k, v in sd.items() if k.startswith(f"layers.{j}.")})
-        if "token_map" in sd:
-            out["token_map"] = sd["token_map"]
+        for k in ("token_map", "norm", "lm_head.weight"):  # the last two: an EAGLE-3 draft's own head
+            if k in sd:
+                out[k] = sd[k]
         return out
 
     n = dc.n_specialists
@@ -220,6 +264,8 @@ class Trainer:
             raise ValueError(f"train_ids has {len(self.train_ids)} keys for {len(train_examples)} train examples")
         self.out = Path(out_dir)
         self.progress_bar = progress_bar and info.main
+        # EAGLE-3 features: the runner returns the target layers the draft fuses in every forward.
+        runner.set_feature_layers(cfg.target_layers(len(runner.layers)))
         self.features = make_features(runner, feature_cache, info.rank)
         self.draft = new_draft(runner, cfg, target_name, init_from, cfg.seed, token_map).to(runner.device)
         self.init_record = init_record(init_from)
@@ -248,6 +294,7 @@ class Trainer:
         return {"train_fingerprint": self.data_info["train_fingerprint"], "method": cfg.method, "steps": cfg.steps,
                 "positions_per_specialist": cfg.positions_per_specialist, "specialists": cfg.specialists,
                 "fc_per_specialist": cfg.fc_per_specialist, "position_weights": cfg.position_weights, "seed": cfg.seed,
+                "draft_features": cfg.draft_features, "feature_layers": cfg.target_layers(len(self.runner.layers)),
                 "global_batch": self.global_batch, "epochs": cfg.epochs, "lr": cfg.lr, "warmup_frac": cfg.warmup_frac}
 
     def resume(self) -> bool:

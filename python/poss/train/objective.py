@@ -6,6 +6,13 @@ true (noised) feature, level l the detached, right-shifted prediction of step l 
 target is the true next feature f_{t+1} and the target's distribution over x_{t+2}. Each step is
 backpropagated on its own (gradients accumulate), as in the reference, so only one step's graph is
 alive at a time.
+
+EAGLE-3 features (``DraftConfig.features == "eagle3"``, EAGLE-3 and PosS on EAGLE-3 features) train
+with EAGLE-3's training-time test instead (:func:`run_eagle3_steps`): level 0 is ``fc`` over the
+target layers, level l the draft's own output of step l - 1 (right-shifted as above, NOT detached:
+gradients flow back through the unrolled steps), the loss is only the soft cross-entropy of the
+draft's own ``lm_head(norm(h))`` against the target's distribution over the draft vocabulary, each step
+weighted (``0.8 ** k`` by default), and one backward runs over all steps.
 """
 
 from dataclasses import dataclass
@@ -16,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from poss.models.draft import PosSDraft
-from poss.models.specialist import fuse, rope_tables
+from poss.models.specialist import eagle3_inputs, fuse, rms_norm, rope_tables
 from poss.train.aligned_attention import aligned_attention
 
 
@@ -95,7 +102,9 @@ class Batch:
 def make_batch(input_ids: Tensor, loss_mask: Tensor, lengths: Tensor, features: Tensor, lm_head: Tensor,
                noise_std: float = 0.0, generator: Optional[torch.Generator] = None,
                token_map: Optional[Tensor] = None, next_token: Optional[Tensor] = None) -> Batch:
-    """Build the shifted batch from right-padded ``[B, L]`` tokens/mask, ``lengths [B]`` and features ``[B, L, H]``.
+    """Build the shifted batch from right-padded ``[B, L]`` tokens/mask, ``lengths [B]`` and features ``[B, L, H]``
+    (or the runner's wider ``[B, L, W]`` with target layers after the first H final-norm columns: the
+    targets come from those H, the inputs keep all W).
 
     ``noise_std > 0`` adds EAGLE's uniform noise scaled by 512 / L per sample.
 
@@ -107,7 +116,8 @@ def make_batch(input_ids: Tensor, loss_mask: Tensor, lengths: Tensor, features: 
     B, L = input_ids.shape
     zero = torch.zeros(B, 1, dtype=input_ids.dtype, device=input_ids.device)
     tokens = torch.cat([input_ids[:, 1:], zero], 1)
-    target = torch.cat([features[:, 1:], torch.zeros_like(features[:, :1])], 1)
+    final = features[..., :lm_head.shape[1]]  # the final-norm features (all of them unless wider)
+    target = torch.cat([final[:, 1:], torch.zeros_like(final[:, :1])], 1)
     row_mask = torch.cat([loss_mask[:, 1:], zero], 1).bool()
     feats = features
     if noise_std > 0:
@@ -226,8 +236,10 @@ def run_steps(draft: PosSDraft, batch: Batch, embed: Tensor, lm_head: Tensor, in
     """All ``obj.steps`` steps on one batch; with ``backward`` each step's loss is backpropagated.
 
     Returns per-step metric dicts (loss tensors detached; ``keep_outputs`` adds each step's
-    prediction ``g [B, L, H]`` and its input ``levels``).
+    prediction ``g [B, L, H]`` and its input ``levels``). An ``eagle3`` draft runs :func:`run_eagle3_steps`.
     """
+    if draft.config.features == "eagle3":
+        return run_eagle3_steps(draft, batch, embed, inv_freq, obj, backward, autocast_dtype, keep_outputs)
     c = draft.config
     B, L = batch.tokens.shape
     dev = batch.features.device
@@ -252,4 +264,56 @@ def run_steps(draft: PosSDraft, batch: Batch, embed: Tensor, lm_head: Tensor, in
             # Next level: the prediction for row t becomes the input feature of row t + 1; row 0 keeps f_0.
             prev = levels[-1]
             levels.append(torch.cat([prev[:, :1], g[:, :-1].to(prev.dtype)], 1).detach())
+    return out
+
+
+def eagle3_step_losses(draft: PosSDraft, h: Tensor, batch: Batch, obj: Objective) -> Dict[str, Tensor]:
+    """One training-time-test step's loss at the masked rows: the soft cross-entropy of the draft's own
+    ``lm_head(norm(h))`` (``h [B, L, H]``) against ``batch.target_p`` (rows outside the draft vocabulary
+    left out), normalised by M + 1e-5, times ``obj.p_weight``; ``correct`` counts the rows whose draft
+    argmax is the target's token."""
+    m = batch.row_mask
+    M = m.sum()
+    z = (rms_norm(h[m], draft.norm, draft.config.rms_eps) @ draft.lm_head.weight.to(h.dtype).t()).float()
+    rows = -(batch.target_p * torch.log_softmax(z, -1)).sum(-1)
+    if batch.ce_keep is not None:
+        rows = rows * batch.ce_keep.to(rows.dtype)
+    ce = rows.sum() / (M.float() + 1e-5)
+    correct = (z.argmax(-1) == batch.target_top1).sum()
+    return {"vloss": torch.zeros((), device=h.device), "ploss": ce.detach(), "correct": correct, "count": M,
+            "loss": obj.p_weight * ce}
+
+
+def run_eagle3_steps(draft: PosSDraft, batch: Batch, embed: Tensor, inv_freq: Tensor, obj: Objective,
+                     backward: bool = True, autocast_dtype: Optional[torch.dtype] = torch.bfloat16,
+                     keep_outputs: bool = False) -> List[Dict[str, Tensor]]:
+    """EAGLE-3's training-time test over ``obj.steps`` steps (module docstring), for :func:`run_steps`.
+
+    ``batch.features [B, L, (1 + n) H]``: the runner's features with the draft's n target layers.
+    Step k's loss is weighted by ``obj.weight(k)``; with ``backward`` the weighted sum is backpropagated
+    once, through every step's fed-back output. Returns per-step metric dicts as :func:`run_steps`
+    (``vloss`` 0: no feature regression).
+    """
+    c = draft.config
+    B, L = batch.tokens.shape
+    dev = batch.features.device
+    cd = autocast_dtype or torch.float32
+    cos, sin = rope_tables(inv_freq.to(dev), torch.arange(L, device=dev))
+    embeds = F.embedding(batch.tokens, embed).to(cd)
+    levels = [draft.draft_input(batch.features).to(cd)]  # g_t = fc(target layers at t)
+    out, total = [], None
+    for k in range(obj.steps):
+        layer = draft.layers[c.specialist_for(k + 1)]
+        h = layer.layer(eagle3_inputs(layer, embeds, levels), cos, sin, aligned_attention, residual=levels[-1])
+        m = eagle3_step_losses(draft, h, batch, obj)
+        total = m["loss"] * obj.weight(k) if total is None else total + m["loss"] * obj.weight(k)
+        m["loss"] = m["loss"].detach()
+        if keep_outputs:
+            m["g"], m["levels"] = h.detach(), [lv.detach() for lv in levels]
+        out.append(m)
+        if k + 1 < obj.steps:
+            # The draft's own output for row t feeds row t + 1 at the next step (row 0 keeps its input).
+            levels.append(torch.cat([levels[-1][:, :1], h[:, :-1]], 1))
+    if backward:
+        total.backward()
     return out

@@ -16,7 +16,7 @@ from poss.models.target import TargetRunner
 from poss.train.data import Example, collate
 from poss.train.ddp import DistInfo, all_reduce_sum
 from poss.train.features import VAL_ID_OFFSET, make_features
-from poss.train.objective import Objective, make_batch, run_steps
+from poss.train.objective import Objective, make_batch, position_weights, run_steps
 
 
 @torch.no_grad()
@@ -75,10 +75,14 @@ def validate_draft(draft_dir, runner: TargetRunner, val_examples: List[Example],
         raise ValueError(f"autocast must be 'bf16' or 'none', got {autocast!r}")
     draft = PosSDraft.load(draft_dir, dtype=torch.float32, device=runner.device)
     draft.config.check_target(runner.fingerprint(), what=str(draft_dir))
+    runner.set_feature_layers(draft.feature_layers_for(len(runner.layers)))  # an EAGLE-3 draft's target layers
     features = make_features(runner, feature_cache, info.rank)
     ids = [VAL_ID_OFFSET + i for i in range(len(val_examples))]
     ac = torch.bfloat16 if autocast == "bf16" else None
-    result = evaluate(draft, features, val_examples, ids, Objective(steps=steps), runner, batch_size, ac, info)
+    obj = Objective(steps=steps)
+    if draft.eagle3:  # EAGLE-3's loss: the soft cross-entropy only, 0.8^k weights
+        obj = Objective(steps=steps, v_weight=0.0, p_weight=1.0, position_weights=position_weights("eagle3", steps))
+    result = evaluate(draft, features, val_examples, ids, obj, runner, batch_size, ac, info)
     if hasattr(features, "cache"):
         features.cache.flush()
     return {"draft": str(draft_dir), "steps": steps, **result}
