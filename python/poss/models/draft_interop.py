@@ -105,8 +105,9 @@ def _import_card(conv: Converted, source: str, target_name: str, fingerprint: st
     if isinstance(c, Eagle3Config):
         shape = (f"EAGLE-3: fc over three target layers' features ({c.target_hidden} each), one decoder layer, "
                  f"its own norm and lm_head over {k} tokens")
-        use = ("It cannot decode in poss yet (poss's target runner does not return three layers' hidden states); "
-               "`poss export --format eagle3` writes it back in the published layout, bit for bit.")
+        use = ("Use it as any poss draft (the target runner then returns those layers' hidden states): "
+               "`poss generate --target T --draft THIS_FOLDER`; `poss export --format eagle3` writes it back "
+               "in the published layout, bit for bit.")
     else:
         shape = (f"{c.n_specialists} decoder layer(s) sharing one fc over [embedding; feature] "
                  f"(fc bias: {'yes' if c.fc_bias else 'no'}), position p drafted by layer "
