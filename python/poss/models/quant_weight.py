@@ -74,11 +74,18 @@ class QuantWeight:
 
 Weight = Union[Tensor, QuantWeight]
 
+# Block projections quantize their activations to int8 per block of 32 (``qlinear(x_int8=True)``: exact
+# integer block dots, maddubs on AVX2): on the AVX2 EPYC, 1 thread, a pass over SmolLM2's weights took
+# X ms at 1 row and Y at 8 with it against 21 / 76 with fp32 activations (bench/bench_qlinear.py). The AR
+# loop and the tree verify both run this path, so speculation stays token-identical to our AR loop
+# either way; ``dtype="auto"`` times the same path (poss.decode.dtype_choice).
+X_INT8 = True
+
 
 def project(x: Tensor, w: Weight, bias: Optional[Tensor] = None, residual: Optional[Tensor] = None) -> Tensor:
     """``x [..., K] @ w.T + bias + residual`` -> ``[..., N]`` in x's dtype, for float or block weights."""
     if isinstance(w, QuantWeight):
-        return poss_ext.ops.qlinear(x, w.blocks, w.format, bias, residual)
+        return poss_ext.ops.qlinear(x, w.blocks, w.format, bias, residual, x_int8=X_INT8)
     return poss_ext.ops.linear(x, w, bias, residual)
 
 
