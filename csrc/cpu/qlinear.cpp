@@ -21,7 +21,7 @@
 //
 // x_int8 = true: x is quantized instead, per row and block of 32 (the integer path, as llama.cpp's
 // design), and a block's dot product is an exact integer, so no ISA changes a bit:
-//   - x block: amax = max |x_l| (NaN if any is), dx = amax / 127 (fp32), q_l = nearbyint(x_l / dx)
+//   - x block: amax = max |x_l| (NaN if any is), dx = amax / 127 (fp32), q_l = rint(x_l / dx)
 //     (fp32 division, round half to even) clamped to [-127, 127] (only a subnormal dx needs the clamp);
 //     dx = 0 or non-finite: every q_l = 0 (a non-finite dx then makes the row NaN, as x's inf / NaN
 //     would); sx = sum of the q_l;
@@ -182,7 +182,9 @@ inline void quantize_block(const float* x, int8_t* q, float& d, int32_t& s) {
     return;
   }
   for (int l = 0; l < 32; ++l) {
-    const float r = std::min(std::max(std::nearbyint(x[l] / dx), -127.0f), 127.0f);
+    // rint, not nearbyint: the same rounding (half to even), but inlined as one instruction where
+    // nearbyint calls libm, which saves and restores the FP environment each time (~35 us per call).
+    const float r = std::min(std::max(std::rint(x[l] / dx), -127.0f), 127.0f);
     q[l] = static_cast<int8_t>(r);
     s += q[l];
   }
@@ -340,11 +342,11 @@ POSS_Q_AVX2 inline __m256i avx2_wq(const uint8_t* blk) {
   if constexpr (F == QFormat::Q8_0) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
   } else {
+    // The 16 bytes in both halves, the upper half shifted right by 4 (per 32 bits: the bits a byte
+    // takes from its neighbour are masked off), then the low nibbles of each byte: 3 instructions.
     constexpr int off = F == QFormat::Q4_0 ? 2 : 4;
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + off));
-    const __m128i nib = _mm_set1_epi8(15);
-    const __m128i lo = _mm_and_si128(q, nib), hi = _mm_and_si128(_mm_srli_epi16(q, 4), nib);
-    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+    const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + off)));
+    return _mm256_and_si256(_mm256_srlv_epi32(q, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(15));
   }
 }
 
@@ -371,9 +373,14 @@ struct Avx2I8Kern {
   POSS_Q_AVX2 static void group(const QuantX& qx, int64_t m0, const uint8_t* w, int64_t g, int valid,
                                 __m256 (&acc)[MR], uint32_t& mb) {
     __m256i pair[MR][4];  // pair[i][p]: hadd of blocks 2p and 2p + 1's partial sums
-    alignas(16) uint16_t dh[8] = {}, mh[8] = {};
+    uint16_t dh[8] = {}, mh[8] = {};  // the scales, as fp16 (in registers once the loops are unrolled)
 #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {
+      if (!kFull && 2 * p >= valid) {  // a pair of padded blocks: zero sums, no work
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; ++i) pair[i][p] = _mm256_setzero_si256();
+        continue;
+      }
       __m256i wq[2];
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
@@ -381,7 +388,6 @@ struct Avx2I8Kern {
         if (kFull || k < valid) {
           const uint8_t* blk = w + (g * 8 + k) * block_bytes<F>();
           _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetchBytes, _MM_HINT_NTA);
-          mb = std::max(mb, scale_bits<F>(blk));
           dh[k] = load_u16(blk);
           if constexpr (F == QFormat::Q4_1) mh[k] = load_u16(blk + 2);
           wq[h] = avx2_wq<F>(blk);
@@ -395,8 +401,19 @@ struct Avx2I8Kern {
         pair[i][p] = _mm256_hadd_epi32(avx2_dot<F>(wq[0], q), avx2_dot<F>(wq[1], q + kQBlock));
       }
     }
-    const __m256 dw = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh)));
-    const __m256 mw = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(mh)));
+    // Built from registers: eight 2-byte stores and a 16-byte load would stall store forwarding.
+    const __m128i dhv = _mm_setr_epi16(dh[0], dh[1], dh[2], dh[3], dh[4], dh[5], dh[6], dh[7]);
+    const __m128i mhv = _mm_setr_epi16(mh[0], mh[1], mh[2], mh[3], mh[4], mh[5], mh[6], mh[7]);
+    // The largest |scale| bits of the 8 blocks (scale_bits, 8 at a time).
+    const __m128i abs7 = _mm_set1_epi16(0x7FFF);
+    __m128i top = _mm_and_si128(dhv, abs7);
+    if constexpr (F == QFormat::Q4_1) top = _mm_max_epu16(top, _mm_and_si128(mhv, abs7));
+    top = _mm_max_epu16(top, _mm_srli_si128(top, 8));
+    top = _mm_max_epu16(top, _mm_srli_si128(top, 4));
+    top = _mm_max_epu16(top, _mm_srli_si128(top, 2));
+    mb = std::max(mb, static_cast<uint32_t>(_mm_extract_epi16(top, 0)));
+    const __m256 dw = _mm256_cvtph_ps(dhv);
+    const __m256 mw = F == QFormat::Q4_1 ? _mm256_cvtph_ps(mhv) : dw;
 #pragma GCC unroll 4
     for (int i = 0; i < MR; ++i) {
       // In each 128-bit half: ab = [blocks 0..3], cd = [4..7] (one half's partial sums each).
