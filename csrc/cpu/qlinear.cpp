@@ -30,9 +30,10 @@
 //     to fp32 (no FMA: a PyTorch reference reproduces it, poss_ext/reference.py qlinear_int8);
 //   - 8 fp32 lanes, lane b % 8 accumulating acc += v over the blocks b in order; the lanes summed
 //     l with l + 4, then l + 2, l + 1; + bias, + residual, one rounding to x's dtype.
-// The scalar kernel computes isum with a plain loop, AVX2 with maddubs + madd (exact: q8_0 goes
-// through the sign trick, |qw| <= 128 times |q| <= 127, two products per int16 <= 32512); an AVX512
-// CPU runs the AVX2 int8 kernel.
+// The scalar kernel computes isum with a plain loop; AVX2 takes 8 blocks at a time, transposed so
+// that vector lane k holds block k, with maddubs + madd (exact: q8_0 goes through the sign trick,
+// |qw| <= 128 times |q| <= 127, two products per int16 <= 32512; the 4-bit formats sum 16 products
+// per int16, <= 30480, before one madd). An AVX512 CPU runs the AVX2 int8 kernel.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -145,6 +146,7 @@ constexpr int kI8Lanes = 8;  // fp32 lanes of the int8 path: block b into lane b
 // with zero blocks (q = 0, dx = 0, sx = 0), so the AVX2 kernel reads whole groups of 8.
 struct QuantX {
   const int8_t* q;   // [M, nbp * 32]
+  const int8_t* qt;  // q with each group of 8 blocks transposed by 4-byte words (Avx2I8Kern::group)
   const float* d;    // [M, nbp]
   const int32_t* s;  // [M, nbp]
   int64_t nbp;
@@ -199,11 +201,21 @@ QuantX quantize_rows(const float* x, int64_t M, int64_t K) {
   qbuf.assign(static_cast<size_t>(M * nbp * kQBlock), 0);
   dbuf.assign(static_cast<size_t>(M * nbp), 0.0f);
   sbuf.assign(static_cast<size_t>(M * nbp), 0);
+  thread_local std::vector<int8_t> tbuf;
+  tbuf.resize(qbuf.size());
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < nb; ++b)
       quantize_block(x + m * K + b * kQBlock, qbuf.data() + (m * nbp + b) * kQBlock, dbuf[m * nbp + b],
                      sbuf[m * nbp + b]);
-  return QuantX{qbuf.data(), dbuf.data(), sbuf.data(), nbp};
+  // Group of 8 blocks g, word j (quants 4j..4j+3), block k of the group -> bytes 32 j + 4 k of the group.
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < nbp / kI8Lanes; ++g) {
+      const int8_t* src = qbuf.data() + (m * nbp + g * 8) * kQBlock;
+      int8_t* dst = tbuf.data() + (m * nbp + g * 8) * kQBlock;
+      for (int j = 0; j < 8; ++j)
+        for (int k = 0; k < 8; ++k) std::memcpy(dst + 32 * j + 4 * k, src + 32 * k + 4 * j, 4);
+    }
+  return QuantX{qbuf.data(), tbuf.data(), dbuf.data(), sbuf.data(), nbp};
 }
 
 // sum_l qw_l * q_l of one block, with q4_0's qw - 8.
@@ -350,18 +362,6 @@ POSS_Q_AVX2 inline __m256i avx2_wq(const uint8_t* blk) {
   }
 }
 
-// Eight int32 partial sums of qw . q (exact; their total is the block's dot before q4_0's - 8 sx).
-template <QFormat F>
-POSS_Q_AVX2 inline __m256i avx2_dot(__m256i wq, const int8_t* q) {
-  const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-  __m256i p16;
-  if constexpr (F == QFormat::Q8_0)  // |qw| as unsigned (|-128| = 128), its sign moved onto q
-    p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq));
-  else
-    p16 = _mm256_maddubs_epi16(wq, xq);
-  return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
-}
-
 template <QFormat F>
 struct Avx2I8Kern {
   static constexpr bool kInt8 = true;
@@ -369,36 +369,67 @@ struct Avx2I8Kern {
   static constexpr int cols(int) { return 1; }
 
   // Blocks g * 8 .. g * 8 + 7 (only the first `valid` exist when kFull is false) into acc[i].
+  // The 8 blocks' quants are transposed by 4-byte words (t[j], lane k = quants 4j..4j+3 of block k),
+  // as x's are at quantization (QuantX::qt), so that lane k of a maddubs + madd sums block k only:
+  // the integer sums come out one block per lane with no horizontal additions.
   template <int MR, bool kFull>
   POSS_Q_AVX2 static void group(const QuantX& qx, int64_t m0, const uint8_t* w, int64_t g, int valid,
                                 __m256 (&acc)[MR], uint32_t& mb) {
-    __m256i pair[MR][4];  // pair[i][p]: hadd of blocks 2p and 2p + 1's partial sums
     uint16_t dh[8] = {}, mh[8] = {};  // the scales, as fp16 (in registers once the loops are unrolled)
-#pragma GCC unroll 4
-    for (int p = 0; p < 4; ++p) {
-      if (!kFull && 2 * p >= valid) {  // a pair of padded blocks: zero sums, no work
-#pragma GCC unroll 4
-        for (int i = 0; i < MR; ++i) pair[i][p] = _mm256_setzero_si256();
-        continue;
+    __m256i wq[8];
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) {
+      if (kFull || k < valid) {
+        const uint8_t* blk = w + (g * 8 + k) * block_bytes<F>();
+        _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetchBytes, _MM_HINT_NTA);
+        dh[k] = load_u16(blk);
+        if constexpr (F == QFormat::Q4_1) mh[k] = load_u16(blk + 2);
+        wq[k] = avx2_wq<F>(blk);
+      } else {
+        wq[k] = _mm256_setzero_si256();  // a padded block: its x quants are 0 too, a zero sum
       }
-      __m256i wq[2];
+    }
+    __m256i t[8];
+    {
+      __m256i a[8], b[8];
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        a[2 * p] = _mm256_unpacklo_epi32(wq[2 * p], wq[2 * p + 1]);
+        a[2 * p + 1] = _mm256_unpackhi_epi32(wq[2 * p], wq[2 * p + 1]);
+      }
 #pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        const int k = 2 * p + h;
-        if (kFull || k < valid) {
-          const uint8_t* blk = w + (g * 8 + k) * block_bytes<F>();
-          _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetchBytes, _MM_HINT_NTA);
-          dh[k] = load_u16(blk);
-          if constexpr (F == QFormat::Q4_1) mh[k] = load_u16(blk + 2);
-          wq[h] = avx2_wq<F>(blk);
-        } else {
-          wq[h] = _mm256_setzero_si256();  // q of a padded block is 0 too: a zero sum
-        }
+      for (int h = 0; h < 2; ++h) {  // blocks 4h .. 4h + 3
+        b[4 * h + 0] = _mm256_unpacklo_epi64(a[4 * h], a[4 * h + 2]);      // words 0 | 4
+        b[4 * h + 1] = _mm256_unpackhi_epi64(a[4 * h], a[4 * h + 2]);      // words 1 | 5
+        b[4 * h + 2] = _mm256_unpacklo_epi64(a[4 * h + 1], a[4 * h + 3]);  // words 2 | 6
+        b[4 * h + 3] = _mm256_unpackhi_epi64(a[4 * h + 1], a[4 * h + 3]);  // words 3 | 7
       }
 #pragma GCC unroll 4
-      for (int i = 0; i < MR; ++i) {
-        const int8_t* q = qx.q + ((m0 + i) * qx.nbp + g * 8 + 2 * p) * kQBlock;
-        pair[i][p] = _mm256_hadd_epi32(avx2_dot<F>(wq[0], q), avx2_dot<F>(wq[1], q + kQBlock));
+      for (int j = 0; j < 4; ++j) {
+        t[j] = _mm256_permute2x128_si256(b[j], b[4 + j], 0x20);
+        t[j + 4] = _mm256_permute2x128_si256(b[j], b[4 + j], 0x31);
+      }
+    }
+    __m256i isums[MR];
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) {
+      const int8_t* xt = qx.qt + ((m0 + i) * qx.nbp + g * 8) * kQBlock;
+      const auto xj = [&](int j) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xt + 32 * j)); };
+      if constexpr (F == QFormat::Q8_0) {
+        // |qw| as unsigned (|-128| = 128), its sign moved onto q: pairs <= 2 * 128 * 127 = 32512.
+        __m256i s = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j)
+          s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(t[j], t[j]),
+                                                                         _mm256_sign_epi8(xj(j), t[j])),
+                                                    _mm256_set1_epi16(1)));
+        isums[i] = s;
+      } else {
+        // qw in [0, 15]: each int16 sums 2 products per word, 16 over the 8 words, <= 16 * 15 * 127 = 30480.
+        __m256i s = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(t[j], xj(j)));
+        isums[i] = _mm256_madd_epi16(s, _mm256_set1_epi16(1));
       }
     }
     // Built from registers: eight 2-byte stores and a 16-byte load would stall store forwarding.
@@ -416,10 +447,7 @@ struct Avx2I8Kern {
     const __m256 mw = F == QFormat::Q4_1 ? _mm256_cvtph_ps(mhv) : dw;
 #pragma GCC unroll 4
     for (int i = 0; i < MR; ++i) {
-      // In each 128-bit half: ab = [blocks 0..3], cd = [4..7] (one half's partial sums each).
-      const __m256i ab = _mm256_hadd_epi32(pair[i][0], pair[i][1]);
-      const __m256i cd = _mm256_hadd_epi32(pair[i][2], pair[i][3]);
-      __m256i isum = _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
+      __m256i isum = isums[i];
       const int64_t at = (m0 + i) * qx.nbp + g * 8;
       const __m256 dx = _mm256_loadu_ps(qx.d + at);
       const __m256i sx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.s + at));
