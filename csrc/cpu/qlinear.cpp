@@ -365,7 +365,7 @@ POSS_Q_AVX2 inline __m256i avx2_wq(const uint8_t* blk) {
 template <QFormat F>
 struct Avx2I8Kern {
   static constexpr bool kInt8 = true;
-  static constexpr int kMaxRows = 4;
+  static constexpr int kMaxRows = 8;  // the transposed blocks serve up to 8 rows (a verify's)
   static constexpr int cols(int) { return 1; }
 
   // Blocks g * 8 .. g * 8 + 7 (only the first `valid` exist when kFull is false) into acc[i].
@@ -410,28 +410,6 @@ struct Avx2I8Kern {
         t[j + 4] = _mm256_permute2x128_si256(b[j], b[4 + j], 0x31);
       }
     }
-    __m256i isums[MR];
-#pragma GCC unroll 4
-    for (int i = 0; i < MR; ++i) {
-      const int8_t* xt = qx.qt + ((m0 + i) * qx.nbp + g * 8) * kQBlock;
-      const auto xj = [&](int j) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xt + 32 * j)); };
-      if constexpr (F == QFormat::Q8_0) {
-        // |qw| as unsigned (|-128| = 128), its sign moved onto q: pairs <= 2 * 128 * 127 = 32512.
-        __m256i s = _mm256_setzero_si256();
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j)
-          s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(t[j], t[j]),
-                                                                         _mm256_sign_epi8(xj(j), t[j])),
-                                                    _mm256_set1_epi16(1)));
-        isums[i] = s;
-      } else {
-        // qw in [0, 15]: each int16 sums 2 products per word, 16 over the 8 words, <= 16 * 15 * 127 = 30480.
-        __m256i s = _mm256_setzero_si256();
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(t[j], xj(j)));
-        isums[i] = _mm256_madd_epi16(s, _mm256_set1_epi16(1));
-      }
-    }
     // Built from registers: eight 2-byte stores and a 16-byte load would stall store forwarding.
     const __m128i dhv = _mm_setr_epi16(dh[0], dh[1], dh[2], dh[3], dh[4], dh[5], dh[6], dh[7]);
     const __m128i mhv = _mm_setr_epi16(mh[0], mh[1], mh[2], mh[3], mh[4], mh[5], mh[6], mh[7]);
@@ -445,9 +423,27 @@ struct Avx2I8Kern {
     mb = std::max(mb, static_cast<uint32_t>(_mm_extract_epi16(top, 0)));
     const __m256 dw = _mm256_cvtph_ps(dhv);
     const __m256 mw = F == QFormat::Q4_1 ? _mm256_cvtph_ps(mhv) : dw;
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
-      __m256i isum = isums[i];
+      const int8_t* xt = qx.qt + ((m0 + i) * qx.nbp + g * 8) * kQBlock;
+      const auto xj = [&](int j) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xt + 32 * j)); };
+      __m256i isum;
+      if constexpr (F == QFormat::Q8_0) {
+        // |qw| as unsigned (|-128| = 128), its sign moved onto q: pairs <= 2 * 128 * 127 = 32512.
+        __m256i s = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j)
+          s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(t[j], t[j]),
+                                                                         _mm256_sign_epi8(xj(j), t[j])),
+                                                    _mm256_set1_epi16(1)));
+        isum = s;
+      } else {
+        // qw in [0, 15]: each int16 sums 2 products per word, 16 over the 8 words, <= 16 * 15 * 127 = 30480.
+        __m256i s = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(t[j], xj(j)));
+        isum = _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+      }
       const int64_t at = (m0 + i) * qx.nbp + g * 8;
       const __m256 dx = _mm256_loadu_ps(qx.d + at);
       const __m256i sx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.s + at));
@@ -464,14 +460,14 @@ struct Avx2I8Kern {
                                 float sums[MR][8], uint32_t& maxbits) {
     static_assert(NR == 1, "one weight row at a time");
     __m256 acc[MR];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
     uint32_t mb = 0;
     const int64_t full = nb / 8;
     for (int64_t g = 0; g < full; ++g) group<MR, true>(qx, m0, w, g, 8, acc, mb);
     if (nb % 8) group<MR, false>(qx, m0, w, full, static_cast<int>(nb % 8), acc, mb);
     maxbits = std::max(maxbits, mb);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) sums[i][0] = hsum256(acc[i]);
   }
 };
