@@ -75,10 +75,11 @@ class QuantWeight:
 Weight = Union[Tensor, QuantWeight]
 
 # Block projections quantize their activations to int8 per block of 32 (``qlinear(x_int8=True)``: exact
-# integer block dots, maddubs on AVX2): on the AVX2 EPYC, 1 thread, a pass over SmolLM2's weights took
-# X ms at 1 row and Y at 8 with it against 21 / 76 with fp32 activations (bench/bench_qlinear.py). The AR
-# loop and the tree verify both run this path, so speculation stays token-identical to our AR loop
-# either way; ``dtype="auto"`` times the same path (poss.decode.dtype_choice).
+# integer block dots, maddubs on AVX2), every format, every CPU: on the 2-core AVX2 EPYC, 1 thread, a
+# pass over SmolLM2's Q4_1 weights took 15-23 ms at 1 row and 35-50 at 8 with it against 23-31 / 81-132
+# with fp32 activations, and never more (bench/bench_qlinear.py, docs/ops.md). The AR loop and the tree
+# verify both run this path, so speculation stays token-identical to our AR loop either way;
+# ``dtype="auto"`` times the same path (poss.decode.dtype_choice).
 X_INT8 = True
 
 
