@@ -137,7 +137,6 @@ struct ScalarKern {
   }
 };
 
-
 // ---- int8 activations: the quantized x, and the scalar kernel (the reference order) ----
 
 constexpr int kI8Lanes = 8;  // fp32 lanes of the int8 path: block b into lane b % 8
@@ -185,7 +184,7 @@ inline void quantize_block(const float* x, int8_t* q, float& d, int32_t& s) {
   }
   for (int l = 0; l < 32; ++l) {
     // rint, not nearbyint: the same rounding (half to even), but inlined as one instruction where
-    // nearbyint calls libm, which saves and restores the FP environment each time (~35 us per call).
+    // nearbyint calls libm, which saves and restores the FP environment each time (35 us a row of 576).
     const float r = std::min(std::max(std::rint(x[l] / dx), -127.0f), 127.0f);
     q[l] = static_cast<int8_t>(r);
     s += q[l];

@@ -153,6 +153,26 @@ def test_thread_count_does_not_change_results():
     assert torch.equal(one, many)
 
 
+@pytest.mark.parametrize("kern", KERNELS)
+@pytest.mark.parametrize("fmt,qbyte,qw", [("q8_0", 0x80, -128), ("q8_0", 0x7F, 127), ("q4_0", 0xFF, 7),
+                                          ("q4_0", 0x00, -8), ("q4_1", 0xFF, 15)])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_extreme_quants_do_not_saturate(kern, fmt, qbyte, qw, sign):
+    """Every weight at an extreme quant against x = +-127 everywhere (dx = 1, q = +-127), d = 1: the
+    integer sums at their largest (q8_0: pairs of 128 * 127 through the sign trick; 4-bit: 16 products
+    per int16 before the madd) and exact, 32 * qw * q per block."""
+    K = 64
+    x = torch.full((3, K), 127.0 * sign)
+    w = torch.full((5, K // 32, BYTES[fmt]), qbyte, dtype=torch.uint8)
+    w[..., 0:2] = torch.tensor([1.0]).half().view(torch.uint8)
+    if fmt == "q4_1":
+        w[..., 2:4] = torch.tensor([0.0]).half().view(torch.uint8)
+    w = w.reshape(5, -1)
+    with kernel(kern):
+        out = poss_ext.ops.qlinear(x, w, fmt, x_int8=True)
+    assert (out == 2 * 32 * qw * 127 * sign).all()
+
+
 # ---- the quantization of x, through one-hot weights: output n = dx * q_n ----
 
 
