@@ -1,7 +1,8 @@
 """GGUF block weights against bf16 at SmolLM2-135M's decode shapes, and our AR loop in both.
 
 Kernels: ``poss_ext.ops.qlinear`` in q8_0 / q4_0 / q4_1 (each CPU kernel this machine has, or the
-best) against ``poss_ext.ops.linear`` in bf16, over one layer's projections (q|k|v 960 x 576, o
+best), with fp32 activations and with int8 ones (``x_int8=True``, kernel names ``<kernel>-i8``),
+against ``poss_ext.ops.linear`` in bf16, over one layer's projections (q|k|v 960 x 576, o
 576 x 576, gate|up 3072 x 576, down 576 x 1536) stacked 30 times and the 49152 x 576 lm_head, at
 M = 1 / 5 / 8 / 16 rows: microseconds per pass and the weight GB/s. ``--e2e``: our AR loop on the real
 SmolLM2-135M-Instruct in bf16 and with ``dtype="gguf"`` (its own Q4_1 blocks, Q8_0 lm_head), prompt by
@@ -9,6 +10,7 @@ prompt in turn (bench_e2e.interleaved), tokens/s.
 
     PYTHONPATH=.:python python bench/bench_qlinear.py --threads 1
     PYTHONPATH=.:python python bench/bench_qlinear.py --threads 1 --kernels avx512 avx2 --rows 1 8
+    PYTHONPATH=.:python python bench/bench_qlinear.py --threads 1 --rows 1 8 --acts fp32 int8 --formats q4_1
     PYTHONPATH=.:python python bench/bench_qlinear.py --threads 1 --e2e --prompts 4 --new 64
 """
 
@@ -40,40 +42,42 @@ def weights(fmt: str):
     return [t.clone() for _ in range(LAYERS) for t in ts[:4]] + [ts[4]]
 
 
-def one_pass(x_by_k, ws, fmt):
+def one_pass(x_by_k, ws, fmt, x_int8=False):
     for w in ws:
         x = x_by_k[w.shape[1] if fmt == "bf16" else w.shape[1] * 32 // poss_ext.ops.QFORMAT_BLOCK_BYTES[fmt]]
         if fmt == "bf16":
             poss_ext.ops.linear(x, w)
         else:
-            poss_ext.ops.qlinear(x, w, fmt)
+            poss_ext.ops.qlinear(x, w, fmt, x_int8=x_int8)
 
 
-def time_pass(ws, fmt, rows, repeats=10):
+def time_pass(ws, fmt, rows, repeats=10, x_int8=False):
     x = {k: torch.randn(rows, k).bfloat16() for k in (H, F)}
-    one_pass(x, ws, fmt)
+    one_pass(x, ws, fmt, x_int8)
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        one_pass(x, ws, fmt)
+        one_pass(x, ws, fmt, x_int8)
         times.append(time.perf_counter() - t)
     times.sort()
     best = times[len(times) // 4]  # lower quartile: a shared machine's uncontended cost
     return best, sum(w.numel() * w.element_size() for w in ws) / best / 1e9
 
 
-def kernels_table(kernels, rows, formats):
-    print(f"{'format':8} {'kernel':8} " + " ".join(f"{'M=' + str(m):>18}" for m in rows))
+def kernels_table(kernels, rows, formats, acts=("fp32", "int8")):
+    print(f"{'format':8} {'kernel':10} " + " ".join(f"{'M=' + str(m):>18}" for m in rows))
     for fmt in ["bf16"] + formats:
         ws = weights(fmt)
-        for k in ["linear"] if fmt == "bf16" else kernels:
+        runs = [("linear", False)] if fmt == "bf16" else [(k, a == "int8") for k in kernels for a in acts]
+        for k, x_int8 in runs:
             if fmt != "bf16":
                 poss_ext.ops.force_cpu_qlinear_kernel(k)
+                k = poss_ext.ops.cpu_qlinear_kernel(x_int8) + ("-i8" if x_int8 else "")
             cells = []
             for m in rows:
-                s, gbs = time_pass(ws, fmt, m)
+                s, gbs = time_pass(ws, fmt, m, x_int8=x_int8)
                 cells.append(f"{s * 1e3:7.2f} ms {gbs:5.1f} GB/s")
-            print(f"{fmt:8} {k:8} " + " ".join(f"{c:>18}" for c in cells))
+            print(f"{fmt:8} {k:10} " + " ".join(f"{c:>18}" for c in cells))
         poss_ext.ops.force_cpu_qlinear_kernel("")
 
 
@@ -106,6 +110,8 @@ def main():
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 5, 8, 16])
     ap.add_argument("--formats", nargs="*", default=list(GGML))
     ap.add_argument("--kernels", nargs="*", default=None, help="qlinear kernels (default: the best only)")
+    ap.add_argument("--acts", nargs="*", default=["fp32", "int8"], choices=["fp32", "int8"],
+                    help="qlinear activations: fp32 (x_int8=False) and / or int8 (x_int8=True)")
     ap.add_argument("--e2e", action="store_true", help="our AR loop on SmolLM2-135M, bf16 vs gguf")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--new", type=int, default=64)
@@ -114,7 +120,7 @@ def main():
     if args.e2e:
         e2e(args.prompts, args.new)
     else:
-        kernels_table(args.kernels or [poss_ext.ops.cpu_qlinear_kernel()], args.rows, args.formats)
+        kernels_table(args.kernels or [poss_ext.ops.cpu_qlinear_kernel()], args.rows, args.formats, args.acts)
 
 
 if __name__ == "__main__":

@@ -36,8 +36,10 @@ PYBIND11_MODULE(_C, m) {
       },
       "The CPU kernel of poss::linear for a dtype ('bfloat16', 'float32', 'float16'): 'avx512-bf16' or "
       "'avx2-fma' (row-invariant), or 'aten'.");
-  m.def("cpu_qlinear_kernel", [] { return std::string(poss::cpu_qlinear_kernel()); },
-        "The CPU kernel of poss::qlinear in use: 'avx512', 'avx2' or 'scalar' (the same bits).");
+  m.def("cpu_qlinear_kernel", [](bool x_int8) { return std::string(poss::cpu_qlinear_kernel(x_int8)); },
+        py::arg("x_int8") = false,
+        "The CPU kernel of poss::qlinear in use: 'avx512', 'avx2' or 'scalar' (the same bits); with "
+        "x_int8, the int8-activation path's: 'avx2' or 'scalar'.");
   m.def("force_cpu_qlinear_kernel", &poss::force_cpu_qlinear_kernel, py::arg("name"),
         "Run poss::qlinear with kernel 'avx512', 'avx2' or 'scalar' ('' = the best this CPU has).");
   m.def("cpu_exact_attention_lanes", &poss::cpu_exact_attention_lanes,

@@ -42,8 +42,11 @@ TORCH_LIBRARY(poss, m) {
   // The same with a weight in GGUF blocks: blocks [N, K / 32 * block bytes] uint8, as the file stores
   // them, format "q8_0", "q4_0" or "q4_1" (csrc/include/poss/qlinear_args.h); x [..., K] float32 /
   // bfloat16 / float16, bias and residual in x's dtype. CPU only. Every output element is computed the
-  // same way whatever the number of rows, and a block with a non-finite scale is an error.
-  m.def("qlinear(Tensor x, Tensor blocks, str format, Tensor? bias=None, Tensor? residual=None) -> Tensor");
+  // same way whatever the number of rows, and a block with a non-finite scale is an error. x_int8:
+  // x quantized per row and block of 32 to int8 (one fp32 scale each) and exact integer block dots
+  // (csrc/cpu/qlinear.cpp); the same bits on every ISA.
+  m.def("qlinear(Tensor x, Tensor blocks, str format, Tensor? bias=None, Tensor? residual=None, "
+        "bool x_int8=False) -> Tensor");
   // out = x * rsqrt(mean(x^2) + eps) * weight, statistics in fp32.
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   // sum = x + residual (rounded to x's dtype); out = rms_norm(sum, weight, eps).

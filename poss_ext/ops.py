@@ -262,7 +262,7 @@ QBLOCK = 32
 
 
 def qlinear(x: Tensor, blocks: Tensor, format: str, bias: Optional[Tensor] = None,
-            residual: Optional[Tensor] = None) -> Tensor:
+            residual: Optional[Tensor] = None, x_int8: bool = False) -> Tensor:
     """``x @ W.T + bias + residual`` with ``W [N, K]`` in a GGUF block format, accumulated in fp32.
 
     Args:
@@ -274,25 +274,30 @@ def qlinear(x: Tensor, blocks: Tensor, format: str, bias: Optional[Tensor] = Non
             Byte j of the nibbles holds weight j (low nibble) and weight j + 16 (high nibble).
         format: ``"q8_0"``, ``"q4_0"`` or ``"q4_1"``.
         bias: ``[N]`` or None; residual: ``[..., N]`` or None; x's dtype.
+        x_int8: False: x as fp32. True: x quantized per row and block of 32 to int8 with one fp32
+            scale ``dx = amax / 127`` per block (``q = round-half-even(x / dx)``), each block's dot
+            product with the weights an exact int32 sum (:func:`poss_ext.reference.qlinear_int8`).
     Returns:
-        ``[..., N]`` in x's dtype. Each element: the block's weights decoded to fp32 exactly as gguf
-        decodes them, 32 fp32 lanes of FMAs over K, a fixed pairwise sum of the lanes, + bias,
-        + residual, one rounding. Every row is computed that way however many rows share the call, and
-        every kernel (:func:`cpu_qlinear_kernel`) gives the same bits. A block whose scale (or min) is
-        inf or NaN is an error. No CUDA kernel and no backward.
+        ``[..., N]`` in x's dtype. Each element (x_int8 False): the block's weights decoded to fp32
+        exactly as gguf decodes them, 32 fp32 lanes of FMAs over K, a fixed pairwise sum of the lanes,
+        + bias, + residual, one rounding. (x_int8 True): each block's ``(dw * dx) * isum`` (q4_1
+        ``+ (m * dx) * sum(q)``) added into 8 fp32 lanes, a fixed pairwise sum, + bias, + residual,
+        one rounding. Every row is computed that way however many rows share the call, and every
+        kernel (:func:`cpu_qlinear_kernel`) gives the same bits. A block whose scale (or min) is inf
+        or NaN is an error. No CUDA kernel and no backward.
     """
-    return torch.ops.poss.qlinear(x, blocks, format, bias, residual)
+    return torch.ops.poss.qlinear(x, blocks, format, bias, residual, x_int8)
 
 
 @torch.library.register_fake("poss::qlinear")
-def _qlinear_fake(x, blocks, format, bias=None, residual=None):
+def _qlinear_fake(x, blocks, format, bias=None, residual=None, x_int8=False):
     torch._check(format in QFORMAT_BLOCK_BYTES, lambda: f"format must be one of {list(QFORMAT_BLOCK_BYTES)}")
     torch._check(blocks.dim() == 2 and blocks.shape[1] * QBLOCK == x.shape[-1] * QFORMAT_BLOCK_BYTES[format],
                  lambda: "blocks must be [N, K / 32 * block bytes]")
     return x.new_empty((*x.shape[:-1], blocks.shape[0]))
 
 
-def _qlinear_cuda(x, blocks, format, bias=None, residual=None):
+def _qlinear_cuda(x, blocks, format, bias=None, residual=None, x_int8=False):
     raise RuntimeError("poss::qlinear has CPU kernels only; on CUDA, load the target with a float dtype "
                        "(bf16 / fp16 / fp32) instead of 'gguf'")
 
@@ -303,13 +308,14 @@ def _register_qlinear_cuda_error() -> None:
     torch.library.register_kernel("poss::qlinear", "CUDA", _qlinear_cuda)
 
 
-def cpu_qlinear_kernel() -> str:
+def cpu_qlinear_kernel(x_int8: bool = False) -> str:
     """The kernel :func:`qlinear` runs on this CPU: ``"avx512"`` (AVX512F + BW + VL), ``"avx2"``
     (AVX2 + FMA + F16C) or ``"scalar"``; all give the same bits. ``POSS_QLINEAR`` (read once, when
-    poss_ext loads) picks one, as :func:`force_cpu_qlinear_kernel` does later."""
+    poss_ext loads) picks one, as :func:`force_cpu_qlinear_kernel` does later. ``x_int8``: the kernel
+    of the int8-activation path, ``"avx2"`` or ``"scalar"`` (an AVX512 CPU runs the AVX2 one)."""
     from poss_ext import _C
 
-    return _C.cpu_qlinear_kernel()
+    return _C.cpu_qlinear_kernel(x_int8)
 
 
 def force_cpu_qlinear_kernel(name: str = "") -> None:

@@ -293,6 +293,61 @@ def qlinear(x: Tensor, blocks: Tensor, format: str, bias: Optional[Tensor] = Non
     return linear(x, dequantize(blocks, format).to(x.device), bias, residual)
 
 
+QX_LANES = 8  # fp32 lanes of qlinear's int8 path: block b adds into lane b % 8
+
+
+def quantize_x_int8(x: Tensor) -> Tuple[Tensor, Tensor]:
+    """x ``[..., K]`` (K a multiple of 32) -> ``q [..., K / 32, 32] int64`` in [-127, 127] and
+    ``dx [..., K / 32] float32``, per block of 32: ``dx = amax / 127``, ``q = round-half-even(x / dx)``
+    (fp32 division) clamped to [-127, 127]; a block whose dx is 0 or not finite has every q = 0."""
+    xf = x.float().reshape(*x.shape[:-1], -1, 32)
+    amax = xf.abs().amax(-1)  # NaN if the block has one
+    dx = amax / torch.full_like(amax, 127.0)
+    ok = torch.isfinite(dx) & (dx > 0)
+    div = torch.where(ok, dx, torch.ones_like(dx)).unsqueeze(-1).expand_as(xf).contiguous()
+    q = torch.round(xf / div).clamp(-127, 127)
+    q = torch.where(ok.unsqueeze(-1), q, torch.zeros_like(q))
+    return q.long(), dx
+
+
+def qlinear_int8(x: Tensor, blocks: Tensor, format: str, bias: Optional[Tensor] = None,
+                 residual: Optional[Tensor] = None) -> Tensor:
+    """``qlinear(..., x_int8=True)``: x quantized by :func:`quantize_x_int8`, each (row, weight row,
+    block) an exact integer ``isum = sum q_w * q_x`` (int64; q_w the int8 of q8_0, q - 8 of q4_0, q of
+    q4_1), the block's value in fp32 ``(dw * dx) * isum`` (q4_1: ``+ (m * dx) * sum(q_x)``), each
+    operation rounded; lane ``b % 8`` adds block b's value in block order; lanes summed l + 4, l + 2,
+    l + 1; + bias, + residual in fp32; one rounding to x's dtype. Shapes as :func:`qlinear`."""
+    N, K = blocks.shape[0], x.shape[-1]
+    nb = K // 32
+    lead = x.shape[:-1]
+    qx, dx = quantize_x_int8(x.reshape(-1, K))  # [M, nb, 32], [M, nb]
+    b = blocks.reshape(N, nb, QFORMAT_BLOCK_BYTES[format])
+    dw = b[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)  # [N, nb]
+    if format == "q8_0":
+        qw = b[..., 2:].contiguous().view(torch.int8).long()
+    else:
+        nib = b[..., 4:] if format == "q4_1" else b[..., 2:]
+        qw = torch.cat([nib & 15, nib >> 4], dim=-1).long()  # low nibbles are weights 0..15
+        if format == "q4_0":
+            qw = qw - 8
+    isum = torch.einsum("mbl,nbl->mnb", qx, qw)  # [M, N, nb] int64, exact
+    v = (dw.unsqueeze(0) * dx.unsqueeze(1)) * isum.float()
+    if format == "q4_1":
+        m = b[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)  # [N, nb]
+        v = v + (m.unsqueeze(0) * dx.unsqueeze(1)) * qx.sum(-1).float().unsqueeze(1)
+    acc = torch.zeros(*v.shape[:2], QX_LANES)
+    for blk in range(nb):
+        acc[..., blk % QX_LANES] += v[..., blk]
+    acc = acc[..., :4] + acc[..., 4:]
+    acc = acc[..., :2] + acc[..., 2:]
+    y = acc[..., 0] + acc[..., 1]  # [M, N]
+    if bias is not None:
+        y = y + bias.float()
+    if residual is not None:
+        y = y + residual.reshape(-1, N).float()
+    return y.to(x.dtype).reshape(*lead, N)
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Reference of ``poss::rms_norm``: HF Llama RMSNorm, statistics in fp32."""
     xf = x.float()

@@ -18,6 +18,22 @@
 // x is widened to fp32 once per call (it is M x K, tiny next to the weights). A micro-kernel decodes
 // the blocks of NR weight rows once per k step and applies them to MR rows of x, so a small tree's
 // rows share one pass over the weights.
+//
+// x_int8 = true: x is quantized instead, per row and block of 32 (the integer path, as llama.cpp's
+// design), and a block's dot product is an exact integer, so no ISA changes a bit:
+//   - x block: amax = max |x_l| (NaN if any is), dx = amax / 127 (fp32), q_l = rint(x_l / dx)
+//     (fp32 division, round half to even) clamped to [-127, 127] (only a subnormal dx needs the clamp);
+//     dx = 0 or non-finite: every q_l = 0 (a non-finite dx then makes the row NaN, as x's inf / NaN
+//     would); sx = sum of the q_l;
+//   - isum = sum_l qw_l * q_l in int32 (q8_0: qw int8; q4_0: qw - 8 in [-8, 7]; q4_1: qw in [0, 15]);
+//   - the block's value v = (dw * dx) * float(isum), q4_1 + (m * dx) * float(sx), each op rounded
+//     to fp32 (no FMA: a PyTorch reference reproduces it, poss_ext/reference.py qlinear_int8);
+//   - 8 fp32 lanes, lane b % 8 accumulating acc += v over the blocks b in order; the lanes summed
+//     l with l + 4, then l + 2, l + 1; + bias, + residual, one rounding to x's dtype.
+// The scalar kernel computes isum with a plain loop; AVX2 takes 8 blocks at a time, transposed so
+// that vector lane k holds block k, with maddubs + madd (exact: q8_0 goes through the sign trick,
+// |qw| <= 128 times |q| <= 127, two products per int16 <= 32512; the 4-bit formats sum 16 products
+// per int16, <= 30480, before one madd). An AVX512 CPU runs the AVX2 int8 kernel.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -103,6 +119,7 @@ inline float reduce32(float* a) {
 
 template <QFormat F>
 struct ScalarKern {
+  static constexpr bool kInt8 = false;
   static constexpr int kMaxRows = 1;
   static constexpr int cols(int) { return 1; }
   template <int MR, int NR>
@@ -117,6 +134,136 @@ struct ScalarKern {
       for (int l = 0; l < 32; ++l) acc[l] = std::fma(x[b * 32 + l], wb[l], acc[l]);
     }
     sums[0][0] = reduce32(acc);
+  }
+};
+
+// ---- int8 activations: the quantized x, and the scalar kernel (the reference order) ----
+
+constexpr int kI8Lanes = 8;  // fp32 lanes of the int8 path: block b into lane b % 8
+
+// x quantized per row and block (header comment). Rows are padded to nbp = nb rounded up to 8 blocks
+// with zero blocks (q = 0, dx = 0, sx = 0), so the AVX2 kernel reads whole groups of 8.
+struct QuantX {
+  const int8_t* q;   // [M, nbp * 32]
+  const int8_t* qt;  // q with each group of 8 blocks transposed by 4-byte words (Avx2I8Kern::group)
+  const float* d;    // [M, nbp]
+  const int32_t* s;  // [M, nbp]
+  int64_t nbp;
+};
+
+// A value rounded to fp32 and hidden from the compiler, so that it cannot fuse the multiply that
+// made it with the add that uses it (this file is built with -mfma, and GCC contracts a * b + c
+// into an FMA by default): the int8 path's documented order has no FMA.
+template <typename V>
+inline V opaque(V v) {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  __asm__("" : "+x"(v));
+#else
+  volatile V keep = v;
+  v = keep;
+#endif
+  return v;
+}
+
+inline void quantize_block(const float* x, int8_t* q, float& d, int32_t& s) {
+  // amax as the largest |x| bit pattern: a NaN's pattern exceeds inf's, which exceeds every finite one.
+  uint32_t amax_bits = 0;
+  for (int l = 0; l < 32; ++l) {
+    uint32_t bits;
+    std::memcpy(&bits, x + l, sizeof bits);
+    amax_bits = std::max(amax_bits, bits & 0x7FFFFFFFu);
+  }
+  float amax;
+  std::memcpy(&amax, &amax_bits, sizeof amax);
+  const float dx = amax / 127.0f;
+  d = dx;
+  s = 0;
+  if (!(dx > 0.0f) || !std::isfinite(dx)) {
+    std::memset(q, 0, 32);
+    return;
+  }
+  for (int l = 0; l < 32; ++l) {
+    // rint, not nearbyint: the same rounding (half to even), but inlined as one instruction where
+    // nearbyint calls libm, which saves and restores the FP environment each time (35 us a row of 576).
+    const float r = std::min(std::max(std::rint(x[l] / dx), -127.0f), 127.0f);
+    q[l] = static_cast<int8_t>(r);
+    s += q[l];
+  }
+}
+
+// The rows of x [M, K] fp32 quantized into this thread's buffers.
+QuantX quantize_rows(const float* x, int64_t M, int64_t K) {
+  const int64_t nb = K / kQBlock, nbp = (nb + kI8Lanes - 1) / kI8Lanes * kI8Lanes;
+  thread_local std::vector<int8_t> qbuf;
+  thread_local std::vector<float> dbuf;
+  thread_local std::vector<int32_t> sbuf;
+  qbuf.assign(static_cast<size_t>(M * nbp * kQBlock), 0);
+  dbuf.assign(static_cast<size_t>(M * nbp), 0.0f);
+  sbuf.assign(static_cast<size_t>(M * nbp), 0);
+  thread_local std::vector<int8_t> tbuf;
+  tbuf.resize(qbuf.size());
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b)
+      quantize_block(x + m * K + b * kQBlock, qbuf.data() + (m * nbp + b) * kQBlock, dbuf[m * nbp + b],
+                     sbuf[m * nbp + b]);
+  // Group of 8 blocks g, word j (quants 4j..4j+3), block k of the group -> bytes 32 j + 4 k of the group.
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < nbp / kI8Lanes; ++g) {
+      const int8_t* src = qbuf.data() + (m * nbp + g * 8) * kQBlock;
+      int8_t* dst = tbuf.data() + (m * nbp + g * 8) * kQBlock;
+      for (int j = 0; j < 8; ++j)
+        for (int k = 0; k < 8; ++k) std::memcpy(dst + 32 * j + 4 * k, src + 32 * k + 4 * j, 4);
+    }
+  return QuantX{qbuf.data(), tbuf.data(), dbuf.data(), sbuf.data(), nbp};
+}
+
+// sum_l qw_l * q_l of one block, with q4_0's qw - 8.
+template <QFormat F>
+inline int32_t block_isum(const uint8_t* blk, const int8_t* q, int32_t sx) {
+  int32_t acc = 0;
+  if constexpr (F == QFormat::Q8_0) {
+    for (int l = 0; l < 32; ++l) acc += static_cast<int32_t>(static_cast<int8_t>(blk[2 + l])) * q[l];
+  } else {
+    constexpr int off = F == QFormat::Q4_0 ? 2 : 4;
+    for (int l = 0; l < 16; ++l) acc += (blk[off + l] & 15) * q[l] + (blk[off + l] >> 4) * q[l + 16];
+    if constexpr (F == QFormat::Q4_0) acc -= 8 * sx;
+  }
+  return acc;
+}
+
+// The 8 lanes' tree: l with l + 4, l + 2, l + 1 (a is overwritten).
+inline float reduce8(float* a) {
+  for (int l = 0; l < 4; ++l) a[l] += a[l + 4];
+  for (int l = 0; l < 2; ++l) a[l] += a[l + 2];
+  return a[0] + a[1];
+}
+
+template <QFormat F>
+struct ScalarI8Kern {
+  static constexpr bool kInt8 = true;
+  static constexpr int kMaxRows = 1;
+  static constexpr int cols(int) { return 1; }
+  template <int MR, int NR>
+  static void micro(const QuantX& qx, int64_t m0, const uint8_t* w, int64_t, int64_t nb, float sums[MR][8],
+                    uint32_t& maxbits) {
+    static_assert(MR == 1 && NR == 1, "the scalar kernel computes one element at a time");
+    const int8_t* q = qx.q + m0 * qx.nbp * kQBlock;
+    const float* dx = qx.d + m0 * qx.nbp;
+    const int32_t* sx = qx.s + m0 * qx.nbp;
+    float acc[kI8Lanes] = {};
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = w + b * block_bytes<F>();
+      maxbits = std::max(maxbits, scale_bits<F>(blk));
+      const float dw = half_bits_to_float(load_u16(blk));
+      const int32_t isum = block_isum<F>(blk, q + b * kQBlock, sx[b]);
+      float v = opaque((dw * dx[b]) * static_cast<float>(isum));
+      if constexpr (F == QFormat::Q4_1) {
+        const float mw = half_bits_to_float(load_u16(blk + 2));
+        v = v + opaque((mw * dx[b]) * static_cast<float>(sx[b]));
+      }
+      acc[b % kI8Lanes] += v;
+    }
+    sums[0][0] = reduce8(acc);
   }
 };
 
@@ -150,6 +297,7 @@ POSS_Q_AVX2 inline float hsum256(__m256 v) {
 template <QFormat F>
 struct Avx2Kern {
   // MR x NR x 4 accumulators + the chunk, its scale (and min) and an x vector in 16 registers.
+  static constexpr bool kInt8 = false;
   static constexpr int kMaxRows = 3;
   static constexpr int cols(int rows) { return rows == 1 ? 2 : 1; }
 
@@ -194,6 +342,132 @@ struct Avx2Kern {
       for (int j = 0; j < NR; ++j)
         sums[i][j] = hsum256(_mm256_add_ps(_mm256_add_ps(acc[i][j][0], acc[i][j][2]),
                                            _mm256_add_ps(acc[i][j][1], acc[i][j][3])));
+  }
+};
+
+// ---- AVX2 int8 path: the 8 lanes as one vector, 8 blocks' integer sums at a time ----
+
+// A block's 32 quants as bytes in weight order: q8_0's int8, or the 4-bit formats' 0..15.
+template <QFormat F>
+POSS_Q_AVX2 inline __m256i avx2_wq(const uint8_t* blk) {
+  if constexpr (F == QFormat::Q8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  } else {
+    // The 16 bytes in both halves, the upper half shifted right by 4 (per 32 bits: the bits a byte
+    // takes from its neighbour are masked off), then the low nibbles of each byte: 3 instructions.
+    constexpr int off = F == QFormat::Q4_0 ? 2 : 4;
+    const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + off)));
+    return _mm256_and_si256(_mm256_srlv_epi32(q, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(15));
+  }
+}
+
+template <QFormat F>
+struct Avx2I8Kern {
+  static constexpr bool kInt8 = true;
+  static constexpr int kMaxRows = 8;  // the transposed blocks serve up to 8 rows (a verify's)
+  static constexpr int cols(int) { return 1; }
+
+  // Blocks g * 8 .. g * 8 + 7 (only the first `valid` exist when kFull is false) into acc[i].
+  // The 8 blocks' quants are transposed by 4-byte words (t[j], lane k = quants 4j..4j+3 of block k),
+  // as x's are at quantization (QuantX::qt), so that lane k of a maddubs + madd sums block k only:
+  // the integer sums come out one block per lane with no horizontal additions.
+  template <int MR, bool kFull>
+  POSS_Q_AVX2 static void group(const QuantX& qx, int64_t m0, const uint8_t* w, int64_t g, int valid,
+                                __m256 (&acc)[MR], uint32_t& mb) {
+    uint16_t dh[8] = {}, mh[8] = {};  // the scales, as fp16 (in registers once the loops are unrolled)
+    __m256i wq[8];
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) {
+      if (kFull || k < valid) {
+        const uint8_t* blk = w + (g * 8 + k) * block_bytes<F>();
+        _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetchBytes, _MM_HINT_NTA);
+        dh[k] = load_u16(blk);
+        if constexpr (F == QFormat::Q4_1) mh[k] = load_u16(blk + 2);
+        wq[k] = avx2_wq<F>(blk);
+      } else {
+        wq[k] = _mm256_setzero_si256();  // a padded block: its x quants are 0 too, a zero sum
+      }
+    }
+    __m256i t[8];
+    {
+      __m256i a[8], b[8];
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        a[2 * p] = _mm256_unpacklo_epi32(wq[2 * p], wq[2 * p + 1]);
+        a[2 * p + 1] = _mm256_unpackhi_epi32(wq[2 * p], wq[2 * p + 1]);
+      }
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {  // blocks 4h .. 4h + 3
+        b[4 * h + 0] = _mm256_unpacklo_epi64(a[4 * h], a[4 * h + 2]);      // words 0 | 4
+        b[4 * h + 1] = _mm256_unpackhi_epi64(a[4 * h], a[4 * h + 2]);      // words 1 | 5
+        b[4 * h + 2] = _mm256_unpacklo_epi64(a[4 * h + 1], a[4 * h + 3]);  // words 2 | 6
+        b[4 * h + 3] = _mm256_unpackhi_epi64(a[4 * h + 1], a[4 * h + 3]);  // words 3 | 7
+      }
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        t[j] = _mm256_permute2x128_si256(b[j], b[4 + j], 0x20);
+        t[j + 4] = _mm256_permute2x128_si256(b[j], b[4 + j], 0x31);
+      }
+    }
+    // Built from registers: eight 2-byte stores and a 16-byte load would stall store forwarding.
+    const __m128i dhv = _mm_setr_epi16(dh[0], dh[1], dh[2], dh[3], dh[4], dh[5], dh[6], dh[7]);
+    const __m128i mhv = _mm_setr_epi16(mh[0], mh[1], mh[2], mh[3], mh[4], mh[5], mh[6], mh[7]);
+    // The largest |scale| bits of the 8 blocks (scale_bits, 8 at a time).
+    const __m128i abs7 = _mm_set1_epi16(0x7FFF);
+    __m128i top = _mm_and_si128(dhv, abs7);
+    if constexpr (F == QFormat::Q4_1) top = _mm_max_epu16(top, _mm_and_si128(mhv, abs7));
+    top = _mm_max_epu16(top, _mm_srli_si128(top, 8));
+    top = _mm_max_epu16(top, _mm_srli_si128(top, 4));
+    top = _mm_max_epu16(top, _mm_srli_si128(top, 2));
+    mb = std::max(mb, static_cast<uint32_t>(_mm_extract_epi16(top, 0)));
+    const __m256 dw = _mm256_cvtph_ps(dhv);
+    const __m256 mw = F == QFormat::Q4_1 ? _mm256_cvtph_ps(mhv) : dw;
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const int8_t* xt = qx.qt + ((m0 + i) * qx.nbp + g * 8) * kQBlock;
+      const auto xj = [&](int j) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xt + 32 * j)); };
+      __m256i isum;
+      if constexpr (F == QFormat::Q8_0) {
+        // |qw| as unsigned (|-128| = 128), its sign moved onto q: pairs <= 2 * 128 * 127 = 32512.
+        __m256i s = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j)
+          s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(t[j], t[j]),
+                                                                         _mm256_sign_epi8(xj(j), t[j])),
+                                                    _mm256_set1_epi16(1)));
+        isum = s;
+      } else {
+        // qw in [0, 15]: each int16 sums 2 products per word, 16 over the 8 words, <= 16 * 15 * 127 = 30480.
+        __m256i s = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(t[j], xj(j)));
+        isum = _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+      }
+      const int64_t at = (m0 + i) * qx.nbp + g * 8;
+      const __m256 dx = _mm256_loadu_ps(qx.d + at);
+      const __m256i sx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.s + at));
+      if constexpr (F == QFormat::Q4_0) isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(sx, 3));
+      __m256 v = opaque(_mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum)));
+      if constexpr (F == QFormat::Q4_1)
+        v = _mm256_add_ps(v, opaque(_mm256_mul_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(sx))));
+      acc[i] = _mm256_add_ps(acc[i], v);
+    }
+  }
+
+  template <int MR, int NR>
+  POSS_Q_AVX2 static void micro(const QuantX& qx, int64_t m0, const uint8_t* w, int64_t, int64_t nb,
+                                float sums[MR][8], uint32_t& maxbits) {
+    static_assert(NR == 1, "one weight row at a time");
+    __m256 acc[MR];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+    uint32_t mb = 0;
+    const int64_t full = nb / 8;
+    for (int64_t g = 0; g < full; ++g) group<MR, true>(qx, m0, w, g, 8, acc, mb);
+    if (nb % 8) group<MR, false>(qx, m0, w, full, static_cast<int>(nb % 8), acc, mb);
+    maxbits = std::max(maxbits, mb);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) sums[i][0] = hsum256(acc[i]);
   }
 };
 
@@ -247,6 +521,7 @@ POSS_Q_AVX512 inline float hsum512(__m512 v) {
 template <QFormat F>
 struct Avx512Kern {
   // MR x NR x 2 accumulators (at most 24) + a block's two vectors + x and scales in 32 registers.
+  static constexpr bool kInt8 = false;
   static constexpr int kMaxRows = 6;
   static constexpr int cols(int rows) { return rows <= 3 ? 4 : rows == 4 ? 3 : 2; }
 
@@ -318,6 +593,7 @@ struct Epilogue {
 struct Pass {
   const float* x;  // [M, K] fp32
   int64_t K;
+  const QuantX* qx;  // x quantized (the int8 kernels), or null
   const uint8_t* w;  // [N, row_bytes]
   int64_t row_bytes, nb;
 };
@@ -330,12 +606,18 @@ void row_group(const Pass& p, int64_t m0, int64_t n0, int64_t n1, const Epilogue
   float sums[MR][8];
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) {
-    Kern::template micro<MR, NR>(xr, p.K, p.w + n * p.row_bytes, p.row_bytes, p.nb, sums, maxbits);
+    if constexpr (Kern::kInt8)
+      Kern::template micro<MR, NR>(*p.qx, m0, p.w + n * p.row_bytes, p.row_bytes, p.nb, sums, maxbits);
+    else
+      Kern::template micro<MR, NR>(xr, p.K, p.w + n * p.row_bytes, p.row_bytes, p.nb, sums, maxbits);
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j) e.store(m0 + i, n + j, sums[i][j]);
   }
   for (; n < n1; ++n) {
-    Kern::template micro<MR, 1>(xr, p.K, p.w + n * p.row_bytes, p.row_bytes, p.nb, sums, maxbits);
+    if constexpr (Kern::kInt8)
+      Kern::template micro<MR, 1>(*p.qx, m0, p.w + n * p.row_bytes, p.row_bytes, p.nb, sums, maxbits);
+    else
+      Kern::template micro<MR, 1>(xr, p.K, p.w + n * p.row_bytes, p.row_bytes, p.nb, sums, maxbits);
     for (int i = 0; i < MR; ++i) e.store(m0 + i, n, sums[i][0]);
   }
 }
@@ -432,7 +714,8 @@ std::string& current_kernel() {
 
 template <typename T>
 at::Tensor qlinear_typed(const at::Tensor& x, const at::Tensor& blocks, QFormat f,
-                         const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
+                         const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual,
+                         bool x_int8) {
   const int64_t K = x.size(-1), N = blocks.size(0);
   const int64_t M = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
   auto out_shape = x.sizes().vec();
@@ -452,33 +735,44 @@ at::Tensor qlinear_typed(const at::Tensor& x, const at::Tensor& blocks, QFormat 
   if (residual) r = residual->reshape({M, N}).contiguous();
   const Epilogue<T> e{bias ? b.const_data_ptr<T>() : nullptr, residual ? r.const_data_ptr<T>() : nullptr,
                       out.mutable_data_ptr<T>(), N};
-  const Pass p{fp32_rows(x2.const_data_ptr<T>(), M * K), K, w.const_data_ptr<uint8_t>(), w.size(1), K / kQBlock};
+  const float* xf = fp32_rows(x2.const_data_ptr<T>(), M * K);
+  QuantX qx{};
+  if (x_int8) qx = quantize_rows(xf, M, K);
+  const Pass p{xf, K, x_int8 ? &qx : nullptr, w.const_data_ptr<uint8_t>(), w.size(1), K / kQBlock};
   std::atomic<uint32_t> maxbits{0};
-  const std::string& kernel = current_kernel();
+  const std::string kernel = cpu_qlinear_kernel(x_int8);
 #ifdef POSS_QX86
   if (kernel == "avx512") run_format<Avx512Kern>(f, p, M, N, e, maxbits);
+  else if (kernel == "avx2" && x_int8) run_format<Avx2I8Kern>(f, p, M, N, e, maxbits);
   else if (kernel == "avx2") run_format<Avx2Kern>(f, p, M, N, e, maxbits);
   else
 #endif
-    run_format<ScalarKern>(f, p, M, N, e, maxbits);
+  if (x_int8) run_format<ScalarI8Kern>(f, p, M, N, e, maxbits);
+  else run_format<ScalarKern>(f, p, M, N, e, maxbits);
   if (maxbits.load() >= kNonFiniteHalf) fail_on_bad_scale(w, f);
   return out.view(out_shape);
 }
 
 at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& blocks, c10::string_view format,
-                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
+                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual,
+                       bool x_int8) {
   const QFormat f = parse_qformat(std::string(format));
   check_qlinear(x, blocks, f, bias, residual);
   switch (x.scalar_type()) {
-    case at::kFloat: return qlinear_typed<float>(x, blocks, f, bias, residual);
-    case at::kBFloat16: return qlinear_typed<c10::BFloat16>(x, blocks, f, bias, residual);
-    default: return qlinear_typed<c10::Half>(x, blocks, f, bias, residual);
+    case at::kFloat: return qlinear_typed<float>(x, blocks, f, bias, residual, x_int8);
+    case at::kBFloat16: return qlinear_typed<c10::BFloat16>(x, blocks, f, bias, residual, x_int8);
+    default: return qlinear_typed<c10::Half>(x, blocks, f, bias, residual, x_int8);
   }
 }
 
 }  // namespace
 
-const char* cpu_qlinear_kernel() { return current_kernel().c_str(); }
+// The int8 path has no AVX512 kernel: an AVX512 CPU runs the AVX2 one (same bits as every kernel).
+const char* cpu_qlinear_kernel(bool x_int8) {
+  const std::string& k = current_kernel();
+  if (x_int8 && k == "avx512") return "avx2";
+  return k.c_str();
+}
 
 void force_cpu_qlinear_kernel(const std::string& name) {
   if (name.empty()) {

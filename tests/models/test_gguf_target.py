@@ -51,7 +51,11 @@ def quantized(request):
     return model, quantize_in_place(model, request.param), request.param
 
 
-def test_runner_streams_the_blocks_and_matches_the_dequantised_float_runner(quantized):
+@pytest.mark.parametrize("x_int8", [False, True])
+def test_runner_streams_the_blocks_and_matches_the_dequantised_float_runner(quantized, x_int8, monkeypatch):
+    import poss.models.quant_weight as qw
+
+    monkeypatch.setattr(qw, "X_INT8", x_int8)
     model, blocks, fmt = quantized
     q = TargetRunner(model, max_batch=1, max_seq=64, dtype=torch.float32, quantized=blocks)
     f = TargetRunner(model, max_batch=1, max_seq=64, dtype=torch.float32)
@@ -60,9 +64,16 @@ def test_runner_streams_the_blocks_and_matches_the_dequantised_float_runner(quan
     prompt = [eval_prompts(1)[0]]
     lq, fq = q.prefill(prompt)
     lf, ff = f.prefill(prompt)
-    # The same weights and ops; only the dot products' summation order differs (fp32 both).
-    torch.testing.assert_close(lq, lf, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(fq, ff, rtol=1e-4, atol=1e-4)
+    if not x_int8:
+        # The same weights and ops; only the dot products' summation order differs (fp32 both).
+        torch.testing.assert_close(lq, lf, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(fq, ff, rtol=1e-4, atol=1e-4)
+    else:
+        # Activations rounded to 8 bits per block of 32 (at most 1/254 of the block's largest): close,
+        # and not the fp32 path.
+        torch.testing.assert_close(lq, lf, rtol=0.05, atol=0.05)
+        torch.testing.assert_close(fq, ff, rtol=0.05, atol=0.05)
+        assert not torch.equal(lq, lf)
 
 
 def test_the_stats_line_names_the_block_formats(quantized):

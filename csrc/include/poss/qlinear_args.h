@@ -67,8 +67,9 @@ inline void check_qlinear(const at::Tensor& x, const at::Tensor& blocks, QFormat
 }
 
 // The kernel poss::qlinear runs on this CPU: "avx512" (AVX512F + BW), "avx2" (AVX2 + FMA + F16C) or
-// "scalar". All three compute every output element in the same order and give the same bits.
-const char* cpu_qlinear_kernel();
+// "scalar". All three compute every output element in the same order and give the same bits. With
+// x_int8 (int8 activations): "avx2" or "scalar" (an AVX512 CPU runs the AVX2 int8 kernel).
+const char* cpu_qlinear_kernel(bool x_int8 = false);
 
 // Forces a kernel ("avx512", "avx2", "scalar"; "" = the best this CPU has), for tests and timings.
 // Raises for a kernel this CPU cannot run.

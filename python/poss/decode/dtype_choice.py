@@ -32,7 +32,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-CACHE_VERSION = 1  # bump when what is measured changes: old cache files are then ignored
+CACHE_VERSION = 2  # bump when what is measured changes: old cache files are then ignored (2: int8 activations)
 # A tree verify's rows: the draft trees shipped for CPUs verify 6-8 (2/1 + a 4-6 token lookup chain,
 # drafts/*/trees.json). The paper's 60/6 and GPU trees verify 16-60, but on a CPU a verify's cost grows
 # with its rows, so the trees timed best there stay small.
@@ -220,7 +220,9 @@ def cache_key(layout, candidates: List[str], threads: int, rows=ROWS) -> Dict:
 
     kernels = {c: poss_ext.ops.cpu_linear_kernel(getattr(torch, c)) for c in candidates if c != GGUF}
     if GGUF in candidates:
-        kernels[GGUF] = poss_ext.ops.cpu_qlinear_kernel()
+        from poss.models.quant_weight import X_INT8
+
+        kernels[GGUF] = poss_ext.ops.cpu_qlinear_kernel(X_INT8) + ("-i8" if X_INT8 else "")
     return {"method": CACHE_VERSION, "cpu": hardware.cpu_model(), "kernels": kernels, "threads": threads,
             "target": layout.fingerprint, "rows": list(rows)}
 

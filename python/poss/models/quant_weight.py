@@ -74,11 +74,19 @@ class QuantWeight:
 
 Weight = Union[Tensor, QuantWeight]
 
+# Block projections quantize their activations to int8 per block of 32 (``qlinear(x_int8=True)``: exact
+# integer block dots, maddubs on AVX2), every format, every CPU: on the 2-core AVX2 EPYC, 1 thread, a
+# pass over SmolLM2's Q4_1 weights took 15-23 ms at 1 row and 35-50 at 8 with it against 23-31 / 81-132
+# with fp32 activations, and never more (bench/bench_qlinear.py, docs/ops.md). The AR loop and the tree
+# verify both run this path, so speculation stays token-identical to our AR loop either way;
+# ``dtype="auto"`` times the same path (poss.decode.dtype_choice).
+X_INT8 = True
+
 
 def project(x: Tensor, w: Weight, bias: Optional[Tensor] = None, residual: Optional[Tensor] = None) -> Tensor:
     """``x [..., K] @ w.T + bias + residual`` -> ``[..., N]`` in x's dtype, for float or block weights."""
     if isinstance(w, QuantWeight):
-        return poss_ext.ops.qlinear(x, w.blocks, w.format, bias, residual)
+        return poss_ext.ops.qlinear(x, w.blocks, w.format, bias, residual, x_int8=X_INT8)
     return poss_ext.ops.linear(x, w, bias, residual)
 
 
