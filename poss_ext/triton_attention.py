@@ -228,7 +228,8 @@ def _tree_attention_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         # Chains: causal. Other trees: the ancestor mask (nodes < M there; the bound keeps a tree that
         # broke the 256-node limit in bounds while its device assert fires).
-        in_mask = (node[:, None] < M) & (j[None, :] < M) & live[:, None] & j_ok[None, :] & general
+        # `!= 0`: triton 3.9's interpreter widens this conjunction to int32, and a load's mask must be bool.
+        in_mask = ((node[:, None] < M) & (j[None, :] < M) & live[:, None] & j_ok[None, :] & general) != 0
         anc = tl.load(mask_ptr + b * M * M + node[:, None] * M + j[None, :], mask=in_mask, other=0) != 0
         visible = live[:, None] & j_ok[None, :] & tl.where(chain, j[None, :] <= node[:, None], anc)
         acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, visible, v, q_ptr.dtype.element_ty, PRECISION)
