@@ -3,8 +3,6 @@ reference, against the ``gguf`` package's own dequantisation, across its CPU ker
 row-invariance that keeps greedy speculation on a quantized target identical to decoding.
 """
 
-import contextlib
-
 import numpy as np
 import pytest
 import torch
@@ -12,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import poss_ext
+from helpers.qlinear_kernels import kernel, runnable
 from poss_ext import reference
 
 gguf_quants = pytest.importorskip("gguf.quants")
@@ -23,26 +22,7 @@ GGML_TYPE = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_
 BYTES = poss_ext.ops.QFORMAT_BLOCK_BYTES
 
 
-def _runnable(name: str) -> bool:
-    try:
-        poss_ext.ops.force_cpu_qlinear_kernel(name)
-        return True
-    except RuntimeError:
-        return False
-    finally:
-        poss_ext.ops.force_cpu_qlinear_kernel("")
-
-
-KERNELS = [k for k in ("avx512", "avx2", "scalar") if _runnable(k)]
-
-
-@contextlib.contextmanager
-def kernel(name: str):
-    poss_ext.ops.force_cpu_qlinear_kernel(name)
-    try:
-        yield
-    finally:
-        poss_ext.ops.force_cpu_qlinear_kernel("")
+KERNELS = [k for k in ("avx512", "avx2", "scalar") if runnable(k)]
 
 
 def random_blocks(N: int, K: int, fmt: str, seed: int) -> torch.Tensor:

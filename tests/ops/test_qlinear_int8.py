@@ -3,8 +3,6 @@ integer block dot products. Against the plain-PyTorch reference bit for bit, acr
 row-invariance greedy speculation needs, and the quantization of x on hand-made blocks.
 """
 
-import contextlib
-
 import numpy as np
 import pytest
 import torch
@@ -12,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import poss_ext
+from helpers.qlinear_kernels import kernel, runnable
 from poss_ext import reference
 
 FORMATS = ["q8_0", "q4_0", "q4_1"]
@@ -19,27 +18,8 @@ BYTES = poss_ext.ops.QFORMAT_BLOCK_BYTES
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def _runnable(name: str) -> bool:
-    try:
-        poss_ext.ops.force_cpu_qlinear_kernel(name)
-        return True
-    except RuntimeError:
-        return False
-    finally:
-        poss_ext.ops.force_cpu_qlinear_kernel("")
-
-
 # The int8 path's kernels: AVX2 (which an AVX512 CPU runs too) and scalar.
-KERNELS = [k for k in ("avx2", "scalar") if _runnable(k)]
-
-
-@contextlib.contextmanager
-def kernel(name: str):
-    poss_ext.ops.force_cpu_qlinear_kernel(name)
-    try:
-        yield
-    finally:
-        poss_ext.ops.force_cpu_qlinear_kernel("")
+KERNELS = [k for k in ("avx2", "scalar") if runnable(k)]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
