@@ -29,6 +29,16 @@ CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role']
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
+def randomize(draft, seed=0):
+    """``draft`` with every parameter moved by seeded noise (std 0.05), in place: a draft whose layers
+    differ from their initialisation, so tests see every weight at work."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return draft
+
+
 def byte_tokenizer():
     """A byte-level BPE tokenizer without merges (one token per byte, ids < 256) plus ChatML special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

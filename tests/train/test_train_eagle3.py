@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers.train_tiny import make_trainer, tiny_examples, tiny_target
+from helpers.train_tiny import make_trainer, randomize, tiny_examples, tiny_target
 from poss.cli.args import UsageError
 from poss.cli.train import add_parser, check_train_arguments
 from poss.train.data import collate
@@ -25,14 +25,6 @@ def runner():
     r = tiny_target(max_batch=2, max_seq=48)
     r.set_feature_layers(LAYERS)
     return r
-
-
-def randomize(draft, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return draft
 
 
 def batch_for(runner, n=2, seed=0, token_map=None, max_len=24):

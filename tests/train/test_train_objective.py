@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers.train_tiny import tiny_examples, tiny_target
+from helpers.train_tiny import randomize, tiny_examples, tiny_target
 from poss.models.target import chain_parents
 from poss.train.data import collate
 from poss.train.features import OnlineFeatures
@@ -21,14 +21,6 @@ def batch_for(runner, n=2, seed=0, noise=0.0):
     b = collate(tiny_examples(n, seed=seed))
     f = OnlineFeatures(runner)(b["input_ids"], b["lengths"])
     return make_batch(b["input_ids"], b["loss_mask"], b["lengths"], f, runner.lm_head, noise), b
-
-
-def randomize(draft, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return draft
 
 
 @pytest.mark.parametrize("method,steps,ppl", [("eagle2", 1, 1), ("hass", 3, 1), ("poss", 4, 2)])
