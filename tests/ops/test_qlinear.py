@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import poss_ext
-from helpers.qlinear_kernels import kernel, runnable
+from helpers.qlinear_kernels import kernel, random_blocks, runnable
 from poss_ext import reference
 
 gguf_quants = pytest.importorskip("gguf.quants")
@@ -23,18 +23,6 @@ BYTES = poss_ext.ops.QFORMAT_BLOCK_BYTES
 
 
 KERNELS = [k for k in ("avx512", "avx2", "scalar") if runnable(k)]
-
-
-def random_blocks(N: int, K: int, fmt: str, seed: int) -> torch.Tensor:
-    """``[N, K / 32 * B] uint8``: random quants (every bit pattern) and random finite fp16 scales."""
-    g = torch.Generator().manual_seed(seed)
-    nb = K // 32
-    raw = torch.randint(0, 256, (N, nb, BYTES[fmt]), generator=g, dtype=torch.uint8)
-    d = (torch.rand(N, nb, 1, generator=g) * 0.05 + 1e-3) * (torch.randint(0, 2, (N, nb, 1), generator=g) * 2 - 1)
-    raw[..., 0:2] = d.half().view(torch.uint8)
-    if fmt == "q4_1":
-        raw[..., 2:4] = (torch.randn(N, nb, 1, generator=g) * 0.1).half().view(torch.uint8)
-    return raw.reshape(N, nb * BYTES[fmt])
 
 
 def inputs(M, N, K, fmt, dtype, seed, bias=False, residual=False, lead=()):

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import poss_ext
-from helpers.qlinear_kernels import kernel, runnable
+from helpers.qlinear_kernels import kernel, random_blocks, runnable
 from poss_ext import reference
 
 FORMATS = ["q8_0", "q4_0", "q4_1"]
@@ -24,19 +24,6 @@ KERNELS = [k for k in ("avx2", "scalar") if runnable(k)]
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[t.dtype])
-
-
-def random_blocks(N: int, K: int, fmt: str, seed: int) -> torch.Tensor:
-    """``[N, K / 32 * B] uint8``: random quants (every bit pattern, q8_0's -128 included) and random
-    finite fp16 scales of both signs."""
-    g = torch.Generator().manual_seed(seed)
-    nb = K // 32
-    raw = torch.randint(0, 256, (N, nb, BYTES[fmt]), generator=g, dtype=torch.uint8)
-    d = (torch.rand(N, nb, 1, generator=g) * 0.05 + 1e-3) * (torch.randint(0, 2, (N, nb, 1), generator=g) * 2 - 1)
-    raw[..., 0:2] = d.half().view(torch.uint8)
-    if fmt == "q4_1":
-        raw[..., 2:4] = (torch.randn(N, nb, 1, generator=g) * 0.1).half().view(torch.uint8)
-    return raw.reshape(N, nb * BYTES[fmt])
 
 
 def inputs(M, N, K, fmt, dtype, seed, bias=False, residual=False):
