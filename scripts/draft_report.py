@@ -365,7 +365,7 @@ on top of the init's token-passes.
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="?", default="runs",
-                    help="folder of poss train run directories (scripts/train_smollm2_drafts.sh's RUNS)")
+                    help="folder of poss train run directories (scripts/train_drafts.sh's RUNS)")
     ap.add_argument("--data", default="runs/distill", help="the `poss distill` folder on-policy drafts are scored on")
     ap.add_argument("--init", default="drafts/eagle2",
                     help="the shared initialisation the runs started from (its row, and their cards when the "

@@ -26,7 +26,7 @@ def test_card_states_the_recipe_from_the_config(tmp_path):
                  "1,031,472 with the init's", "not recorded in this config", "bf16 autocast", "lr 0.001",
                  "16 min", "a shared 2-core CPU", "36.0 / 27.0 / 26.0", "36.1 / 27.6 / 26.2",
                  "bf16 autocast, batch size 4",
-                 "scripts/train_smollm2_drafts.sh poss2", "poss release draft runs/poss2"):
+                 "scripts/train_drafts.sh poss2", "poss release draft runs/poss2"):
         assert fact in card, fact
     cfg["training"]["machine"] = {"cpu": "AMD EPYC", "simd": ["avx2"], "threads": 1, "dtype": "bfloat16"}
     card = dc.model_card(d, 6)
@@ -36,7 +36,7 @@ def test_card_states_the_recipe_from_the_config(tmp_path):
     more["training"]["data"]["train_size"] = 3452
     card = dc.model_card({**d, "cfg": more, "recipe": more["training"]["recipe"]}, 6)
     assert (f"`DATA=<the float32 poss distill folder> INIT={d['init']['path']} TRAIN_SIZE=3452 EPOCHS=3 "
-            "scripts/train_smollm2_drafts.sh poss2`") in card
+            "scripts/train_drafts.sh poss2`") in card
     fp32 = fake_config("eagle2", 1, 1, autocast="none")
     assert "fp32, no autocast" in dc.model_card({**d, "cfg": fp32, "recipe": fp32["training"]["recipe"]}, 6)
 

@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
-DRIVER_TRAIN_SIZE = 1000  # scripts/train_smollm2_drafts.sh's TRAIN_SIZE when none is given
+DRIVER_TRAIN_SIZE = 1000  # scripts/train_drafts.sh's TRAIN_SIZE when none is given
+DRIVER_TARGET, DRIVER_VOCAB = "smollm2-135m", 8192  # its TARGET and VOCAB defaults
 
 
 def read_json(path) -> dict:
@@ -244,7 +245,10 @@ def model_card(d: dict, steps: int) -> str:
     title = target_title(c) + (", on-policy data" if on_policy(c) else "") + (
         f", {c['draft_vocab']:,}-token draft vocabulary" if c.get("draft_vocab") else "")
     # The driver's knobs that differ from its defaults, so the line reruns this draft's recipe.
-    knobs = [f"DATA=<the {data['dtype']} poss distill folder>"] if on_policy(c) else []
+    knobs = [f"TARGET={c['target_name']}"] if c["target_name"] != DRIVER_TARGET else []
+    if c.get("draft_vocab") and c["draft_vocab"] != DRIVER_VOCAB:
+        knobs.append(f"VOCAB={c['draft_vocab']}")
+    knobs += [f"DATA=<the {data['dtype']} poss distill folder>"] if on_policy(c) else []
     if data.get("train_start"):  # a later round: each method from its own earlier draft, on the new answers
         folder = str(Path(init["path"]).parent) if init else "DRAFTS"
         knobs += [f"INIT_EACH={folder}", f"TRAIN_START={data['train_start']}"]
@@ -254,7 +258,7 @@ def model_card(d: dict, steps: int) -> str:
         knobs.append(f"TRAIN_SIZE={data['train_size']}")
     if r["epochs"] != 1:
         knobs.append(f"EPOCHS={r['epochs']}")
-    driver = " ".join(knobs + [f"scripts/train_smollm2_drafts.sh {d['name']}"])
+    driver = " ".join(knobs + [f"scripts/train_drafts.sh {d['name']}"])
     release_run = shown(d["run"]) if d["run"] is not None else f"runs/{d['name']}"
     return f"""# {d['label']} draft for {title}
 

@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# Train the SmolLM2-135M-Instruct drafts on the on-policy data (data/distill-smollm2-135m) with the
-# 8,192-token draft vocabulary: one shared EAGLE-2 initialisation, then EAGLE-2, HASS and PosS-1/2/3
-# each trained EPOCHS more epochs from it, with the same data, batch and learning rate (the paper's
-# protocol: every method starts from the same EAGLE-2 and gets the same budget in epochs).
+# Train a target's drafts on its on-policy data (by default SmolLM2-135M-Instruct, data/distill-smollm2-135m,
+# with the 8,192-token draft vocabulary): one shared EAGLE-2 initialisation, then EAGLE-2, HASS and
+# PosS-1/2/3 each trained EPOCHS more epochs from it, with the same data, batch and learning rate (the
+# paper's protocol: every method starts from the same EAGLE-2 and gets the same budget in epochs).
 #
-#   mkdir -p runs && nohup scripts/train_smollm2_drafts.sh > runs/driver.log 2>&1 &   # all, in order
-#   scripts/train_smollm2_drafts.sh hass poss2                                          # only some
-#   RUNS=DIR PY=PYTHON INIT=drafts/eagle2 scripts/train_smollm2_drafts.sh poss2        # skip the init run
+#   mkdir -p runs && nohup scripts/train_drafts.sh > runs/driver.log 2>&1 &   # all, in order
+#   scripts/train_drafts.sh hass poss2                                          # only some
+#   RUNS=DIR PY=PYTHON INIT=drafts/eagle2 scripts/train_drafts.sh poss2        # skip the init run
+#
+# Another target: TARGET (registry name, HF folder or .gguf), VOCAB (draft vocabulary), INIT_ARGS (the
+# init run's schedule), e.g. the Qwen2.5-Coder drafts (data/distill-qwen2.5-coder-0.5b):
+#   TARGET=qwen2.5-coder-0.5b VOCAB=16384 INIT_ARGS="--epochs 3" DATA=runs/distill-coder RUNS=runs/coder \
+#     scripts/train_drafts.sh eagle2-init hass poss2
 #
 # Every run is resumable (re-running continues each unfinished run from its last checkpoint and skips
 # finished ones: RUNS/<name>/draft/ exists). RUNS/distill must hold the data with its features:
@@ -16,7 +21,7 @@
 # Round 2 (continue every draft on more data): INIT_EACH=DIR starts each method from DIR/<name>
 # (e.g. drafts: the shipped eagle2, hass, poss2) instead of the shared INIT, and TRAIN_START=K
 # trains only on the training answers from the K-th on (those a later data set added):
-#   DATA=runs/distill-bf16 INIT_EACH=drafts TRAIN_START=1116 RUNS=runs/round2 scripts/train_smollm2_drafts.sh eagle2 hass poss2
+#   DATA=runs/distill-bf16 INIT_EACH=drafts TRAIN_START=1116 RUNS=runs/round2 scripts/train_drafts.sh eagle2 hass poss2
 #
 # EXTRA="--feature-weight 0" passes more `poss train` flags to every run (here: EAGLE-3's objective,
 # cross-entropy only, for the multi-step methods).
@@ -30,6 +35,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 RUNS=${RUNS:-runs}
+TARGET=${TARGET:-smollm2-135m}
+VOCAB=${VOCAB:-8192}
+INIT_ARGS=${INIT_ARGS:---epochs 6 --max-batches 549}
 PY=${PY:-python}
 DATA=${DATA:-$RUNS/distill}
 INIT=${INIT:-$RUNS/eagle2-init/best}
@@ -47,7 +55,7 @@ read -r -a EXTRA <<< "${EXTRA:-}"
 STEPS=6   # draft positions trained by PosS, as the paper does
 export PYTHONPATH="$PWD:$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 
-common=(--target smollm2-135m --data "$DATA" --batch-size "$BATCH" --lr "$LR" --threads "$THREADS"
+common=(--target "$TARGET" --data "$DATA" --batch-size "$BATCH" --lr "$LR" --threads "$THREADS"
         --checkpoint-minutes "$CKPT_MIN" --validate-every-epoch --resume --train-start "$TRAIN_START"
         --train-size "$TRAIN_SIZE" ${EXTRA[@]+"${EXTRA[@]}"})
 
@@ -67,7 +75,7 @@ want=("${@:-eagle2-init eagle2 hass poss1 poss2 poss3}")
 want=(${want[@]})
 for m in "${want[@]}"; do
   case $m in
-    eagle2-init) [[ -f "$INIT/config.json" ]] || run eagle2-init --method eagle2 --draft-vocab 8192 --epochs 6 --max-batches 549 ;;
+    eagle2-init) [[ -f "$INIT/config.json" ]] || run eagle2-init --method eagle2 --draft-vocab "$VOCAB" $INIT_ARGS ;;
     eagle2) run eagle2 --method eagle2 $(after eagle2) ;;
     hass)   run hass --method hass --steps 3 $(after hass) ;;
     poss1)  run poss1 --method poss --steps $STEPS --positions-per-specialist 1 $(after poss1) ;;
