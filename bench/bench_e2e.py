@@ -12,7 +12,10 @@ other rows run one after another.
 Run (the table in docs/benchmarks.md):
     PYTHONPATH=.:python python bench/bench_e2e.py --prompts 4 --new 128 --threads 1 --out docs/bench/e2e_cpu.json
     PYTHONPATH=.:python python bench/e2e_report.py docs/bench/e2e_cpu.json --png docs/img/e2e_cpu.png
-The issue's full size is ``--prompts 16 --new 256``. Smoke (tiny random model, seconds):
+The issue's full size is ``--prompts 16 --new 256``. The coder on HumanEval prompts:
+    PYTHONPATH=.:python python bench/bench_e2e.py --target qwen2.5-coder-0.5b --prompt-set humaneval164 \
+        --sweep-draft coder-eagle2 --prompts 8 --new 256 --threads 1 --out docs/bench/e2e_coder.json
+Smoke (tiny random model, seconds):
     PYTHONPATH=.:python pytest bench/bench_e2e.py --benchmark-disable -q
 
 llama.cpp rows need ``llama-cpp-python`` (``pip install ".[bench]"``), built from source by pip; they
@@ -170,7 +173,8 @@ def batch_row(gen, prompts: Sequence[List[int]], new: int, batch: int, name: str
                 tau=sum(s.tau for s in res.stats) / len(res.stats), speculate_max_batch=resolved)
 
 
-def compiled_rows(gen, prompts, new: int, draft_name: str, auto: Optional[Dict], log=print) -> List[Dict]:
+def compiled_rows(gen, prompts, new: int, draft_name: str, auto: Optional[Dict], log=print,
+                  target: str = "smollm2-135m") -> List[Dict]:
     """Our AR loop and ``draft_name`` at its auto tree again, with ``torch.compile`` on the target and
     draft steps (:func:`poss.decode.loader.compile_steps`); compile time is outside the timing."""
     from poss.decode.loader import compile_steps
@@ -185,7 +189,7 @@ def compiled_rows(gen, prompts, new: int, draft_name: str, auto: Optional[Dict],
     rows = [ours(gen, prompts, new, "our AR loop, torch.compile")]
     rows[0]["compile_seconds"] = time.perf_counter() - t
     log(f"  {rows[0]['name']}: {rows[0]['tokens_per_s']:.1f} tok/s (compiled in {rows[0]['compile_seconds']:.0f} s)")
-    folder = next((f for f in shipped_drafts("smollm2-135m") if f.name == draft_name), None)
+    folder = next((f for f in shipped_drafts(target) if f.name == draft_name), None)
     if folder is not None and auto is not None:
         T, d, K = auto["params"]
         if d:
@@ -247,8 +251,11 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
         fixed=((60, 6), (16, 4), (8, 3), (4, 2)), sweep_draft: str = "poss2",
         llama: bool = True, hf_rows: bool = True, compiled: bool = False, batches: Sequence[int] = (),
         fixed_all: bool = True, pages_row: bool = True, hf_extra_dtypes: Sequence[str] = (),
-        lookups: Sequence[str] = (), gguf: bool = False, log=print) -> Dict:
-    """Every row on the real SmolLM2-135M-Instruct (registry) and its shipped drafts.
+        lookups: Sequence[str] = (), gguf: bool = False, target: str = "smollm2-135m",
+        prompt_set: str = "mt_bench", log=print) -> Dict:
+    """Every row on a real registry target (SmolLM2-135M-Instruct by default) and its shipped drafts,
+    on the first turns of the packaged eval set ``prompt_set`` (MT-Bench by default; ``humaneval164``
+    for the coder).
 
     ``fixed``: the (nodes, depth) trees the ``sweep_draft`` is also timed at; with ``fixed_all`` every
     other draft is timed at the first of them too (the paper's 60/6 by default). ``pages_row``: our AR
@@ -278,15 +285,16 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
            "loadavg_start": os.getloadavg()}
     log(out["header"])
     t0 = time.perf_counter()
-    gen = poss.load("smollm2-135m", dtype=dt)
+    out["target"], out["prompt_set"] = target, prompt_set
+    gen = poss.load(target, dtype=dt)
     out["huge_page_mb"] = huge_page_bytes() / 2**20  # how much of the process the kernel put on 2 MB pages
-    questions = load_eval_set("mt_bench")
+    questions = load_eval_set(prompt_set)
     prompts = [gen.encode(r["turns"][0]) for r in questions[:n_prompts]]
     batch_prompts = [gen.encode(r["turns"][0]) for r in questions[:max(batches, default=0)]]
     # Each draft's auto tree first (calibration), then our AR loop and every auto row prompt by prompt in
     # turn (interleaved): the headline ratios come from one pass over the prompts.
     attached = {}
-    for folder in shipped_drafts("smollm2-135m"):
+    for folder in shipped_drafts(target):
         if drafts and folder.name not in drafts:
             continue
         gen.draft = attached[folder.name] = PosSDraft.load(folder, dtype=dt).attach(gen.runner, 1, 256)
@@ -303,7 +311,7 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
     autos = [(f"{name} auto (= {a['tree']})", "draft", attached[name],
               TreeParams(num_nodes=a["params"][0], depth=a["params"][1], lookup=a["params"][2]), store)
              for name, a in out["auto"].items()]
-    quant = gguf_configs(drafts, dt, log, out) if gguf else []
+    quant = gguf_configs(drafts, dt, log, out, target) if gguf else []
     ar, *auto_rows = interleaved(gen, prompts, new, [("our AR loop", "ours", None, None, None)] + autos + quant)
     quant_rows = auto_rows[len(autos):]
     auto_rows = auto_rows[:len(autos)]
@@ -317,7 +325,7 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
         rows.append(r)
         log(f"  {r['name']}: {r['tokens_per_s']:.1f} tok/s" + (f", tau {r['tau']:.2f}" if c[2] is not None else ""))
     if pages_row and huge_pages_available():
-        rows.append(small_pages_row(gen, load_model(resolve("smollm2-135m"), dtype=dt)[1], prompts, new))
+        rows.append(small_pages_row(gen, load_model(resolve(target), dtype=dt)[1], prompts, new))
         log(f"  {rows[-1]['name']}: {rows[-1]['tokens_per_s']:.1f} tok/s")
     for name, r in zip(out["auto"], auto_rows):
         r["draft"] = name
@@ -329,7 +337,7 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
             r["draft"] = name
             rows.append(r)
             log(f"  {r['name']}: {r['tokens_per_s']:.1f} tok/s, tau {r['tau']:.2f}")
-    folder = next((f for f in shipped_drafts("smollm2-135m") if f.name == sweep_draft), None)
+    folder = next((f for f in shipped_drafts(target) if f.name == sweep_draft), None)
     sweep = PosSDraft.load(folder, dtype=dt).attach(gen.runner, 1, 256) if lookups and folder else None
     for spec in lookups:  # prompt lookup merged into the tree (poss.decode.lookup): rows apart from the drafts
         T, d, K = lookup_of(spec)
@@ -351,7 +359,7 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
         gen.draft = None
         rows.append(batch_row(gen, batch_prompts, new, B, f"our AR loop, batch {B}"))
         log(f"  {rows[-1]['name']}: {rows[-1]['tokens_per_s']:.1f} tok/s")
-        folder = next((f for f in shipped_drafts("smollm2-135m") if f.name == sweep_draft), None)
+        folder = next((f for f in shipped_drafts(target) if f.name == sweep_draft), None)
         if folder is not None and sweep_draft in out["auto"]:
             T, d, K = out["auto"][sweep_draft]["params"]
             gen.draft = PosSDraft.load(folder, dtype=dt).attach(gen.runner, 1, 256)
@@ -366,10 +374,10 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
             log(f"  {rows[-1]['name']}: {rows[-1]['tokens_per_s']:.1f} tok/s")
     gen.draft = None
     if compiled:
-        rows += compiled_rows(gen, prompts, new, sweep_draft, out["auto"].get(sweep_draft), log)
+        rows += compiled_rows(gen, prompts, new, sweep_draft, out["auto"].get(sweep_draft), log, target)
     hf_dtypes = [dt] + [d for d in map(hardware.resolve_dtype, hf_extra_dtypes) if d != dt]
     for hdt in hf_dtypes if hf_rows else []:
-        _, model = load_model(resolve("smollm2-135m"), dtype=hdt)
+        _, model = load_model(resolve(target), dtype=hdt)
         model.generation_config.eos_token_id = None
         suffix = "" if hdt == dt else f" ({str(hdt).replace('torch.', '')})"
         for name, kw in (("HF generate", {}), ("HF prompt lookup (10)", {"prompt_lookup_num_tokens": 10})):
@@ -381,7 +389,7 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
         except ImportError:
             log("  llama_cpp not importable: llama.cpp rows skipped")
         else:
-            for r in llama_cpp_rows(fetch_gguf("smollm2-135m"), prompts, new, threads):
+            for r in llama_cpp_rows(fetch_gguf(target), prompts, new, threads):
                 rows.append(r)
                 log(f"  {r['name']}: {r['tokens_per_s']:.1f} tok/s")
     matches(rows, ar, {"gguf": quant_rows[0]} if quant_rows else None)
@@ -391,8 +399,9 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
     return out
 
 
-def gguf_configs(drafts: Optional[List[str]], draft_dtype, log, out: Dict) -> List[tuple]:
-    """:func:`interleaved` configs on a second SmolLM2 target running its GGUF file's own blocks: our AR
+def gguf_configs(drafts: Optional[List[str]], draft_dtype, log, out: Dict,
+                 target: str = "smollm2-135m") -> List[tuple]:
+    """:func:`interleaved` configs on a second copy of ``target`` running its GGUF file's own blocks: our AR
     loop, then every shipped draft (in ``draft_dtype``, as ``poss.load`` attaches it) at the auto tree
     calibrated on that target (recorded in ``out["auto"]`` under ``"NAME (gguf)"``)."""
     import poss
@@ -400,10 +409,10 @@ def gguf_configs(drafts: Optional[List[str]], draft_dtype, log, out: Dict) -> Li
     from poss.models.draft import PosSDraft
     from poss.models.registry import shipped_drafts
 
-    gq = poss.load("smollm2-135m", dtype="gguf", threads=None)
+    gq = poss.load(target, dtype="gguf", threads=None)
     log(f"  gguf target: {gq.runner.weight_formats()}")
     configs = [("our AR loop (gguf)", "ours", None, None, None, gq)]
-    for folder in shipped_drafts("smollm2-135m"):
+    for folder in shipped_drafts(target):
         if drafts and folder.name not in drafts:
             continue
         gq.draft = PosSDraft.load(folder, dtype=draft_dtype).attach(gq.runner, 1, 256)
@@ -466,6 +475,9 @@ def main(argv=None):
     ap.add_argument("--gguf", action="store_true",
                     help="also our AR loop and every draft at auto on the GGUF file's own blocks (dtype gguf), "
                          "interleaved with the other auto rows")
+    ap.add_argument("--target", default="smollm2-135m", help="registry target whose shipped drafts run")
+    ap.add_argument("--prompt-set", default="mt_bench", help="packaged eval set whose first turns are the prompts "
+                    "(mt_bench, humaneval164, ...)")
     ap.add_argument("--out", default="out/e2e.json")
     args = ap.parse_args(argv)
     try:
@@ -478,7 +490,8 @@ def main(argv=None):
     res = run(args.prompts, args.new, args.threads, args.dtype, args.drafts, sweep_draft=args.sweep_draft,
               llama=not args.no_llama, hf_rows=not args.no_hf, compiled=args.compile,
               batches=args.batch, fixed=fixed, fixed_all=not args.no_fixed_others, pages_row=not args.no_pages_row,
-              hf_extra_dtypes=args.hf_extra_dtypes, lookups=args.lookup, gguf=args.gguf)
+              hf_extra_dtypes=args.hf_extra_dtypes, lookups=args.lookup, gguf=args.gguf,
+              target=args.target, prompt_set=args.prompt_set)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(f"wrote {args.out} ({res['wall_seconds']:.0f} s)")

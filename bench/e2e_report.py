@@ -9,6 +9,8 @@ import textwrap
 from pathlib import Path
 from typing import Dict
 
+PROMPT_SETS = {"mt_bench": "MT-Bench", "humaneval164": "HumanEval"}  # display names of the packaged sets
+
 
 def _find(rows, name):
     return next((r for r in rows if r["name"] == name), None)
@@ -19,7 +21,9 @@ def table(res: Dict) -> str:
     ar = _find(rows, "our AR loop")
     hfg = _find(rows, "HF generate")
     lcp = _find(rows, "llama.cpp plain")
-    lines = [f"Machine: {res['header']}. {res['prompts']} MT-Bench prompts x {res['new_tokens']} new tokens, "
+    prompt_set = res.get("prompt_set", "mt_bench")  # runs from before the flag: MT-Bench
+    prompt_set = PROMPT_SETS.get(prompt_set, prompt_set)
+    lines = [f"Machine: {res['header']}. {res['prompts']} {prompt_set} prompts x {res['new_tokens']} new tokens, "
              "batch 1, greedy." + (f" Load average {res['loadavg_start'][0]:.1f} at the start, "
                                    f"{res['loadavg_end'][0]:.1f} at the end (2 cores, shared)."
                                    if "loadavg_end" in res else "")
