@@ -30,10 +30,12 @@
 //     to fp32 (no FMA: a PyTorch reference reproduces it, poss_ext/reference.py qlinear_int8);
 //   - 8 fp32 lanes, lane b % 8 accumulating acc += v over the blocks b in order; the lanes summed
 //     l with l + 4, then l + 2, l + 1; + bias, + residual, one rounding to x's dtype.
-// The scalar kernel computes isum with a plain loop; AVX2 takes 8 blocks at a time, transposed so
-// that vector lane k holds block k, with maddubs + madd (exact: q8_0 goes through the sign trick,
-// |qw| <= 128 times |q| <= 127, two products per int16 <= 32512; the 4-bit formats sum 16 products
-// per int16, <= 30480, before one madd). An AVX512 CPU runs the AVX2 int8 kernel.
+// The scalar kernel computes isum with a plain loop. AVX2 uses maddubs + madd (exact: q8_0 goes
+// through the sign trick, |qw| <= 128 times |q| <= 127, two products per int16 <= 32512; the 4-bit
+// formats sum 16 products per int16, <= 30480, before one madd): for q4_0 / q4_1, 8 weight rows at a
+// time, vector lane k = weight row k (rows8_micro; the last N % 8 rows as q8_0); for q8_0, one weight
+// row and 8 of its blocks at a time, transposed so that lane k holds block k. An AVX512 CPU runs
+// the AVX2 int8 kernel.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -374,9 +376,9 @@ POSS_Q_AVX2 inline __m256i avx2_wq(const uint8_t* blk) {
 // each) and the integer sums come out one row per lane; x's 4-byte words are broadcast. Each row's
 // fp32 operations are the ones of the scalar order (8 accumulators acc[b % 8], then the tree), done
 // for 8 rows side by side: the same bits, whatever the rows of x or the kernel. Measured on the 2-core
-// AVX2 EPYC (Zen 3), a pass over SmolLM2's weights in Q4_1 at 1 row of x went from ~20 ms to ~7 ms
-// (bench/bench_qlinear.py); without the prefetch below it stayed near 20 ms (the 8 interleaved row
-// streams defeat the hardware prefetcher).
+// AVX2 EPYC (Zen 3), thread CPU time of the kernel alone over SmolLM2's shapes in q4_1 (a scratch
+// harness): 7.1 ms a pass against 10.7 row by row at 1 row of x, ~25 against ~28 at 8; without the
+// prefetch below it took ~20 ms (the 8 interleaved row streams defeat the hardware prefetcher).
 
 // 16 bytes at p + k * rb of rows k = 0..7 as 4 vectors: P[j] lane k = bytes 4j..4j+3 of row k.
 POSS_Q_AVX2 inline void transpose8x4(const uint8_t* p, int64_t rb, __m256i (&P)[4]) {
@@ -399,13 +401,14 @@ template <QFormat F, int MR, int R>
 __attribute__((always_inline)) POSS_Q_AVX2 inline void rows8_block(const uint8_t* w, int64_t rb, int64_t b,
                                                                    const int8_t* xq, const float* xd, const float* xs,
                                                                    int64_t xstride, __m256 (&acc)[MR][8], __m256i& top) {
+  static_assert(F != QFormat::Q8_0, "the 4-bit formats only (q8_0 runs row by row)");
   constexpr int64_t bb = block_bytes<F>();
   const uint8_t* blk = w + b * bb;
   // This block's share of the next 8 rows (one contiguous span): by the end of the pass, all of it.
   // T0, one group ahead: ~7 ms a pass where NTA one group ahead took ~11 and no prefetch ~20.
   const char* ahead = reinterpret_cast<const char*>(w) + 8 * rb + b * 8 * bb;
   for (int c = 0; c < 8 * bb; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
-  // The 8 rows' first 4 bytes (d, and q4_1's m; q8_0 / q4_0: d and 2 quants, masked off below).
+  // The 8 rows' first 4 bytes (d, and q4_1's m; q4_0: d and 2 quant bytes, masked off below).
   uint32_t dm[8];
   for (int k = 0; k < 8; ++k) std::memcpy(&dm[k], blk + k * rb, 4);
   const __m256i dmv = _mm256_setr_epi32(dm[0], dm[1], dm[2], dm[3], dm[4], dm[5], dm[6], dm[7]);
@@ -417,29 +420,15 @@ __attribute__((always_inline)) POSS_Q_AVX2 inline void rows8_block(const uint8_t
       0xD8);
   const __m256 dw = _mm256_cvtph_ps(_mm256_castsi256_si128(split));
   const __m256 mw = F == QFormat::Q4_1 ? _mm256_cvtph_ps(_mm256_extracti128_si256(split, 1)) : dw;
-  // t[j] lane k: row k's quants 4j..4j+3 (as unsigned 0..15, or q8_0's int8 with |t| in ta).
-  __m256i t[8], ta[8];
-  if constexpr (F == QFormat::Q8_0) {
-    __m256i lo[4], hi[4];
-    transpose8x4(blk + 2, rb, lo);
-    transpose8x4(blk + 18, rb, hi);
+  // t[j] lane k: row k's quants 4j..4j+3, 0..15. A byte holds weight l (low nibble) and l + 16
+  // (high): word j of the 16 bytes gives quants 4j.. and 16 + 4j.. (one AND, one shift + AND).
+  __m256i P[4], t[8];
+  transpose8x4(blk + (F == QFormat::Q4_0 ? 2 : 4), rb, P);
+  const __m256i nib = _mm256_set1_epi8(15);
 #pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      t[j] = lo[j];
-      t[j + 4] = hi[j];
-    }
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) ta[j] = _mm256_sign_epi8(t[j], t[j]);  // |q|, -128 -> 128 as unsigned
-  } else {
-    // A byte holds weight l (low nibble) and l + 16 (high): word j gives quants 4j.. and 16 + 4j..
-    __m256i P[4];
-    transpose8x4(blk + (F == QFormat::Q4_0 ? 2 : 4), rb, P);
-    const __m256i nib = _mm256_set1_epi8(15);
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      t[j] = _mm256_and_si256(P[j], nib);
-      t[j + 4] = _mm256_and_si256(_mm256_srli_epi16(P[j], 4), nib);
-    }
+  for (int j = 0; j < 4; ++j) {
+    t[j] = _mm256_and_si256(P[j], nib);
+    t[j + 4] = _mm256_and_si256(_mm256_srli_epi16(P[j], 4), nib);
   }
   const __m256i ones = _mm256_set1_epi16(1);
 #pragma GCC unroll 8
@@ -450,20 +439,11 @@ __attribute__((always_inline)) POSS_Q_AVX2 inline void rows8_block(const uint8_t
       std::memcpy(&v, xb + 4 * j, 4);
       return _mm256_set1_epi32(v);
     };
-    __m256i isum;
-    if constexpr (F == QFormat::Q8_0) {
-      // |qw| times q with qw's sign: pairs <= 2 * 128 * 127 = 32512, widened to int32 at once.
-      isum = _mm256_setzero_si256();
+    // qw in [0, 15]: each int16 sums 16 products, <= 16 * 15 * 127 = 30480.
+    __m256i s16 = _mm256_maddubs_epi16(t[0], xj(0));
 #pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j)
-        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(ta[j], _mm256_sign_epi8(xj(j), t[j])), ones));
-    } else {
-      // qw in [0, 15]: each int16 sums 16 products, <= 16 * 15 * 127 = 30480.
-      __m256i s16 = _mm256_maddubs_epi16(t[0], xj(0));
-#pragma GCC unroll 8
-      for (int j = 1; j < 8; ++j) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(t[j], xj(j)));
-      isum = _mm256_madd_epi16(s16, ones);
-    }
+    for (int j = 1; j < 8; ++j) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(t[j], xj(j)));
+    __m256i isum = _mm256_madd_epi16(s16, ones);
     const float* sx = xs + i * xstride + b;
     if constexpr (F == QFormat::Q4_0)  // - 8 sx, exact (|8 sx| <= 32512)
       isum = _mm256_sub_epi32(isum, _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_broadcast_ss(sx), _mm256_set1_ps(8.0f))));
