@@ -496,10 +496,14 @@ template <QFormat F>
 struct Avx2I8Kern {
   static constexpr bool kInt8 = true;
   static constexpr int kMaxRows = 8;  // a block's quants serve up to 8 rows of x (a verify's)
-  // 4-bit formats: 8 weight rows at a time (rows8_micro; the last N % 8 rows one by one). q8_0 stays
-  // row by row: there rows8 measured slower (a pass over SmolLM2's shapes in q8_0, thread CPU time:
-  // 14.3 ms against 10.7 at 1 row of x, 38.5 against 36 at 8), its 32 quant bytes cost two transposes.
-  static constexpr int cols(int) { return F == QFormat::Q8_0 ? 1 : 8; }
+  // 4-bit formats, up to 4 rows of x: 8 weight rows at a time (rows8_micro; the last N % 8 rows one
+  // by one). Both passes give the same bits, so the choice by row count keeps a row's result whatever
+  // shares its call. q8_0 stays row by row: there rows8 measured slower (a pass over SmolLM2's shapes
+  // in q8_0, thread CPU time: 14.3 ms against 10.7 at 1 row of x, 38.5 against 36 at 8), its 32 quant
+  // bytes cost two transposes; at 8 rows of x and more the row-by-row pass was as fast or faster
+  // (bench/bench_qlinear.py --clock cpu: q4_1 at 8 rows 32-45 ms against 34-36, at 16 73-91 against 67-72).
+  static constexpr int kRows8MaxX = 4;
+  static constexpr int cols(int rows) { return F != QFormat::Q8_0 && rows <= kRows8MaxX ? 8 : 1; }
 
   // Blocks g * 8 .. g * 8 + 7 (only the first `valid` exist when kFull is false) into acc[i].
   // The 8 blocks' quants are transposed by 4-byte words (t[j], lane k = quants 4j..4j+3 of block k),
