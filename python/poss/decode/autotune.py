@@ -73,7 +73,14 @@ def cache_key(gen) -> Dict:
             "compiled": gen.compiled,
             # GGUF blocks (dtype "gguf") stream a third of bf16's bytes: other timings (a float target's
             # key is left as it was, so its cached timings stay valid)
-            **({"weights": gen.runner.weight_formats()} if getattr(gen.runner, "quantized", False) else {})}
+            **({"weights": gen.runner.weight_formats(), "qlinear": _qlinear_revision()}
+               if getattr(gen.runner, "quantized", False) else {})}
+
+
+def _qlinear_revision() -> int:
+    from poss.models.quant_weight import QLINEAR_REVISION
+
+    return QLINEAR_REVISION
 
 
 def cache_dir():

@@ -220,9 +220,10 @@ def cache_key(layout, candidates: List[str], threads: int, rows=ROWS) -> Dict:
 
     kernels = {c: poss_ext.ops.cpu_linear_kernel(getattr(torch, c)) for c in candidates if c != GGUF}
     if GGUF in candidates:
-        from poss.models.quant_weight import X_INT8
+        from poss.models.quant_weight import QLINEAR_REVISION, X_INT8
 
-        kernels[GGUF] = poss_ext.ops.cpu_qlinear_kernel(X_INT8) + ("-i8" if X_INT8 else "")
+        kernels[GGUF] = (poss_ext.ops.cpu_qlinear_kernel(X_INT8) + ("-i8" if X_INT8 else "")
+                         + f"-r{QLINEAR_REVISION}")
     return {"method": CACHE_VERSION, "cpu": hardware.cpu_model(), "kernels": kernels, "threads": threads,
             "target": layout.fingerprint, "rows": list(rows)}
 

@@ -81,6 +81,10 @@ Weight = Union[Tensor, QuantWeight]
 # verify both run this path, so speculation stays token-identical to our AR loop either way;
 # ``dtype="auto"`` times the same path (poss.decode.dtype_choice).
 X_INT8 = True
+# The revision of poss::qlinear's CPU kernels, in the cache keys of timings on blocks (dtype "auto",
+# the tree calibration): bump it when their speed changes, so those timings are taken again.
+# 2: q4_0 / q4_1 take 8 weight rows a pass (csrc/cpu/qlinear.cpp rows8_micro).
+QLINEAR_REVISION = 2
 
 
 def project(x: Tensor, w: Weight, bias: Optional[Tensor] = None, residual: Optional[Tensor] = None) -> Tensor:
