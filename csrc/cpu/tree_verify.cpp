@@ -78,25 +78,56 @@ void for_each_chunk(const VocabChunks& chunks, F f) {
   });
 }
 
+// Scratch of the split radix selection, reused across rows.
+struct SelectScratch {
+  std::vector<double> hists;  // [C * kRadixBins] the chunks' histograms
+  std::vector<float> cand;    // [V] chunk c's candidates from round 1 on, at [lo(c), lo(c) + n[c])
+  std::vector<int64_t> n;     // [C]
+};
+
 // The split radix selection (RadixSelect) over x[0..V): count (kMass = false) or mass weights.
+// Rounds 0 and 1 scan the chunk; round 1 also keeps the elements that share the prefix, and
+// rounds 2 and 3 scan only those (the histograms are the same; only fewer elements are read).
 template <bool kMass>
-float select_threshold(const VocabChunks& chunks, const float* x, double target,
-                       std::vector<double>& hists) {
-  hists.assign(static_cast<size_t>(chunks.count) * kRadixBins, 0.0);
+float select_threshold(const VocabChunks& chunks, const float* x, double target, SelectScratch& s) {
+  s.hists.assign(static_cast<size_t>(chunks.count) * kRadixBins, 0.0);
+  s.cand.resize(chunks.V);
+  s.n.assign(chunks.count, 0);
   RadixSelect sel(target);
   double combined[kRadixBins];
   while (!sel.done()) {
     for_each_chunk(chunks, [&](int32_t c, int64_t lo, int64_t hi) {
-      double* h = hists.data() + static_cast<size_t>(c) * kRadixBins;
+      double* h = s.hists.data() + static_cast<size_t>(c) * kRadixBins;
       std::fill(h, h + kRadixBins, 0.0);
-      for (int64_t i = lo; i < hi; ++i) {
-        const uint32_t key = ordered_key(x[i]);
-        if (sel.matches(key)) h[sel.bin(key)] += kMass ? x[i] : 1.0;
+      if (sel.round == 0) {
+        // Two interleaved histograms: runs of elements in one bin make two dependency chains, not one.
+        double h1[kRadixBins] = {};
+        int64_t i = lo;
+        for (; i + 1 < hi; i += 2) {
+          h[ordered_key(x[i]) >> (32 - kRadixBits)] += kMass ? x[i] : 1.0;
+          h1[ordered_key(x[i + 1]) >> (32 - kRadixBits)] += kMass ? x[i + 1] : 1.0;
+        }
+        if (i < hi) h[ordered_key(x[i]) >> (32 - kRadixBits)] += kMass ? x[i] : 1.0;
+        for (int b = 0; b < kRadixBins; ++b) h[b] += h1[b];
+        return;
       }
+      // Round 1 reads the chunk, later rounds the candidates; either way the matches are kept.
+      const float* src = sel.round == 1 ? x + lo : s.cand.data() + lo;
+      const int64_t n = sel.round == 1 ? hi - lo : s.n[c];
+      float* keep = s.cand.data() + lo;
+      int64_t kept = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = src[i];
+        const uint32_t key = ordered_key(v);
+        if (!sel.matches(key)) continue;
+        h[sel.bin(key)] += kMass ? v : 1.0;
+        keep[kept++] = v;
+      }
+      s.n[c] = kept;
     });
     for (int b = 0; b < kRadixBins; ++b) {
       double sum = 0.0;
-      for (int32_t c = 0; c < chunks.count; ++c) sum += hists[static_cast<size_t>(c) * kRadixBins + b];
+      for (int32_t c = 0; c < chunks.count; ++c) sum += s.hists[static_cast<size_t>(c) * kRadixBins + b];
       combined[b] = sum;
     }
     sel.advance(combined);
@@ -138,7 +169,7 @@ struct CpuSamplingRow {
   int64_t request;
   VocabChunks chunks;
   float* w;                    // [V] processed, unnormalised target distribution of the current node
-  std::vector<double>& hists;  // [C * kRadixBins] radix histograms
+  SelectScratch& select;       // radix selection scratch
   std::vector<double>& sums;   // [C] partial sums
   std::vector<float>& maxes;   // [C] partial maxima
 
@@ -174,7 +205,7 @@ struct CpuSamplingRow {
                 std::isnan(m) ? "contains NaN" : "has no finite maximum",
                 "; cannot form a sampling distribution");
     float keep_from = -std::numeric_limits<float>::infinity();
-    if (top_k > 0 && top_k < V) keep_from = select_threshold<false>(chunks, x, top_k, hists);
+    if (top_k > 0 && top_k < V) keep_from = select_threshold<false>(chunks, x, top_k, select);
     const Vec vm(m), vscale(1.0f / temperature), vfloor(keep_from), zero(0.0f);
     for_each_chunk(chunks, [&](int32_t, int64_t lo, int64_t hi) {
       int64_t i = lo;
@@ -188,7 +219,7 @@ struct CpuSamplingRow {
     return total();
   }
 
-  float mass_floor(double target) { return select_threshold<true>(chunks, w, target, hists); }
+  float mass_floor(double target) { return select_threshold<true>(chunks, w, target, select); }
 
   float max_weight() { return split_max(w); }
 
@@ -304,7 +335,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_verify_cpu(
     const VocabChunks chunks = plan_vocab_chunks(V, forced_vocab_chunk_len(), kMaxVocabChunks);
     auto walk = [&](int64_t begin, int64_t end) {
       std::vector<float> scratch(V);
-      std::vector<double> hists, sums;
+      SelectScratch select;
+      std::vector<double> sums;
       std::vector<float> maxes;
       std::vector<ArgMaxPartial> argmaxes;
       for (int64_t b = begin; b < end; ++b) {
@@ -315,7 +347,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_verify_cpu(
           CpuGreedyRow<scalar_t> row{rows, V, b, chunks, scratch.data(), argmaxes};
           greedy_walk(tree, row, out);
         } else {
-          CpuSamplingRow<scalar_t> row{rows, V, b, chunks, scratch.data(), hists, sums, maxes};
+          CpuSamplingRow<scalar_t> row{rows, V, b, chunks, scratch.data(), select, sums, maxes};
           const SamplingParams sp{temp[b], tk[b], tp[b], mp[b]};
           sampling_walk(tree, row, u + b * (N + 1), sp, out);
         }

@@ -137,6 +137,22 @@ def test_thresholds_with_ties_across_chunks(device, length, top_k, top_p, min_p)
     assert_same(split, reference.tree_verify(parents, tokens, logits, *sampling, mp), "vs the reference")
 
 
+@pytest.mark.parametrize("B", [1, 3])
+def test_cpu_chunks_in_parallel_give_the_same_bits(B):
+    """With fewer requests than threads the CPU kernel runs a request's chunks in parallel: the
+    combines read the partials in chunk order, so 2 threads give 1 thread's bits."""
+    parents, tokens, logits, sampling, min_p = case(11, B, 20, 1000, "random", "min-p")
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(verify("cpu", 7, parents, tokens, logits, *sampling, min_p=min_p))
+    finally:
+        torch.set_num_threads(threads)
+    assert_same(outs[1], outs[0], "2 threads vs 1")
+
+
 def test_a_negative_chunk_length_is_an_error():
     with pytest.raises(RuntimeError, match="len must be >= 0"):
         poss_ext.ops.force_vocab_chunk_len(-1)
