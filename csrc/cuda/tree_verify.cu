@@ -1,4 +1,4 @@
-// CUDA kernel of poss::tree_verify, split across the vocabulary: a grid of (chunk, request) thread
+// CUDA kernel of poss::tree_verify, split across the vocabulary: a grid of (request, chunk) thread
 // blocks. Each block owns one chunk of V (csrc/include/poss/vocab_split.h) and runs the shared
 // acceptance walk (csrc/include/poss/acceptance.h): every vocabulary-wide step is a block-wide
 // partial over its chunk, written to global memory, a barrier among the request's blocks, and a
@@ -372,8 +372,8 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ int32_t n_removed;
   BlockOps ops{storage, argmax_out, double_out, float_out, int_out};
 
-  const int32_t chunk = blockIdx.x;
-  const int64_t b = blockIdx.y;
+  const int64_t b = blockIdx.x;
+  const int32_t chunk = blockIdx.y;
   const int64_t lo = chunks.lo(chunk), hi = chunks.hi(chunk);
   ChunkExchange ex{partials + b * 2 * chunks.count, arrivals + b, chunks.count, chunk, 0u};
   const TreeView tree{parents + b * N, tokens + b * N, N};
@@ -469,7 +469,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_verify_cuda(
     int32_t* a_nodes = accept_nodes.data_ptr<int32_t>();
     int32_t* a_len = accept_len.data_ptr<int32_t>();
     int64_t* a_next = next_token.data_ptr<int64_t>();
-    const dim3 grid(chunks.count, B);
+    // Requests on x (up to 2^31 - 1), chunks on y (at most kMaxVocabChunks).
+    const dim3 grid(static_cast<unsigned int>(B), static_cast<unsigned int>(chunks.count));
     if (chunks.count == 1) {
       tree_verify_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
           a_parents, a_tokens, a_logits, a_temperature, a_top_k, a_top_p, a_min_p, a_uniforms,
