@@ -100,15 +100,18 @@ float select_threshold(const VocabChunks& chunks, const float* x, double target,
       double* h = s.hists.data() + static_cast<size_t>(c) * kRadixBins;
       std::fill(h, h + kRadixBins, 0.0);
       if (sel.round == 0) {
-        // Two interleaved histograms: runs of elements in one bin make two dependency chains, not one.
-        double h1[kRadixBins] = {};
+        // Four interleaved histograms: the weights of a row crowd into a few bins, and runs of
+        // elements in one bin would chain every addition on the previous one.
+        constexpr int kLanes = 4;
+        double lanes[kLanes][kRadixBins] = {};
         int64_t i = lo;
-        for (; i + 1 < hi; i += 2) {
-          h[ordered_key(x[i]) >> (32 - kRadixBits)] += kMass ? x[i] : 1.0;
-          h1[ordered_key(x[i + 1]) >> (32 - kRadixBits)] += kMass ? x[i + 1] : 1.0;
+        for (; i + kLanes <= hi; i += kLanes) {
+          for (int l = 0; l < kLanes; ++l) {
+            lanes[l][ordered_key(x[i + l]) >> (32 - kRadixBits)] += kMass ? x[i + l] : 1.0;
+          }
         }
-        if (i < hi) h[ordered_key(x[i]) >> (32 - kRadixBits)] += kMass ? x[i] : 1.0;
-        for (int b = 0; b < kRadixBins; ++b) h[b] += h1[b];
+        for (; i < hi; ++i) lanes[0][ordered_key(x[i]) >> (32 - kRadixBits)] += kMass ? x[i] : 1.0;
+        for (int b = 0; b < kRadixBins; ++b) h[b] = (lanes[0][b] + lanes[1][b]) + (lanes[2][b] + lanes[3][b]);
         return;
       }
       // Round 1 reads the chunk, later rounds the candidates; either way the matches are kept.
