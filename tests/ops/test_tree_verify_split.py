@@ -153,6 +153,19 @@ def test_cpu_chunks_in_parallel_give_the_same_bits(B):
     assert_same(outs[1], outs[0], "2 threads vs 1")
 
 
+@pytest.mark.parametrize("mode", ["greedy", "sampling"])
+def test_nan_in_a_later_chunk_is_an_error(mode):
+    # The NaN sits in the third of four chunks: the combine, not only chunk 0, must report it.
+    V = 12
+    logits = torch.zeros(1, 1, V)
+    logits[0, 0, 7] = float("nan")
+    parents = torch.tensor([[-1]], dtype=torch.int32)
+    tokens = torch.tensor([[0]])
+    sampling = () if mode == "greedy" else (torch.ones(1), None, None, torch.full((1, 2), 0.5))
+    with pytest.raises(RuntimeError, match="contains NaN"):
+        verify("cpu", 3, parents, tokens, logits, *sampling)
+
+
 def test_a_negative_chunk_length_is_an_error():
     with pytest.raises(RuntimeError, match="len must be >= 0"):
         poss_ext.ops.force_vocab_chunk_len(-1)
