@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -20,6 +21,10 @@
 #include "poss/tree_checks.h"
 #include "poss/tree_verify_args.h"
 #include "poss/vocab_split.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace poss {
 namespace {
@@ -85,9 +90,98 @@ struct SelectScratch {
   std::vector<int64_t> n;     // [C]
 };
 
+// Why the histograms may be summed in any order and still give the same bits: the elements of one
+// round-0 bin share the sign and the top 7 exponent bits, so every one is a multiple of the bin's
+// unit 2^(2k - 150) below 2^25 units (later rounds' bins are narrower still). A bin's sum over n
+// elements stays below 2^25 * n units, exactly representable in a double (or an int64) while
+// n < 2^28: then every order of the additions gives the exact sum, and round 0 may count in
+// integers. (Larger chunks take the double path, whose order is the one every chunking used.)
+constexpr int64_t kExactChunkMax = int64_t{1} << 28;
+
+// Round 0 of the mass selection over x[lo..hi), every x a finite float >= +0: the exact sum of each
+// top-byte bin, as int64 multiples of the bin's unit (four interleaved accumulators, so that runs
+// of one bin do not chain every addition on the previous one). Returns false, leaving h untouched,
+// when an element is negative, infinite or NaN (the caller then sums in double).
+bool mass_round0_exact(const float* x, int64_t lo, int64_t hi, double* h) {
+  constexpr int kLanes = 4;
+  int64_t acc[kLanes][kRadixBins / 2] = {};  // bins 0x80..0xff: the non-negative floats
+  uint32_t largest = 0;                      // largest bit pattern: >= 0x7f800000 = not finite or < 0
+  auto add = [&](int64_t* a, uint32_t bits) {
+    const uint32_t e = (bits >> 23) & 0xffu;
+    // A subnormal (e = 0) has no implicit bit and the unit of e = 1.
+    const uint64_t mant = (bits & 0x7fffffu) | (e ? 0x800000u : 0u);
+    const uint32_t shift = e ? (e & 1u) : 1u;  // the bin covers exponents 2k and 2k + 1
+    a[(bits >> 24) & 0x7fu] += static_cast<int64_t>(mant << shift);
+    largest = std::max(largest, bits);
+  };
+  int64_t i = lo;
+  for (; i + kLanes <= hi; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      uint32_t bits;
+      std::memcpy(&bits, x + i + l, sizeof(bits));
+      add(acc[l], bits);
+    }
+  }
+  for (; i < hi; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, x + i, sizeof(bits));
+    add(acc[0], bits);
+  }
+  if (largest >= 0x7f800000u) return false;
+  std::fill(h, h + kRadixBins / 2, 0.0);  // negative floats: none
+  for (int k = 0; k < kRadixBins / 2; ++k) {
+    const int64_t units = (acc[0][k] + acc[1][k]) + (acc[2][k] + acc[3][k]);
+    h[kRadixBins / 2 + k] = std::ldexp(static_cast<double>(units), 2 * k - 150);
+  }
+  return true;
+}
+
+// Round 0 in double, for any floats (counts, or masses the exact path refused).
+template <bool kMass>
+void round0_double(const float* x, int64_t lo, int64_t hi, double* h) {
+  constexpr int kLanes = 4;
+  double lanes[kLanes][kRadixBins] = {};
+  int64_t i = lo;
+  for (; i + kLanes <= hi; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      lanes[l][ordered_key(x[i + l]) >> (32 - kRadixBits)] += kMass ? x[i + l] : 1.0;
+    }
+  }
+  for (; i < hi; ++i) lanes[0][ordered_key(x[i]) >> (32 - kRadixBits)] += kMass ? x[i] : 1.0;
+  for (int b = 0; b < kRadixBins; ++b) h[b] = (lanes[0][b] + lanes[1][b]) + (lanes[2][b] + lanes[3][b]);
+}
+
+// Copies the elements of src[0..n) whose keys share the top `bits` bits of `prefix` to dst, in
+// order, and returns how many. dst may be src (dst never passes the element being read).
+int64_t keep_matching(const float* src, int64_t n, uint32_t prefix, int bits, float* dst) {
+  const int shift = 32 - bits;
+  const uint32_t want = prefix >> shift;
+  int64_t kept = 0, i = 0;
+#if defined(__AVX2__)
+  // Eight keys at a time (ordered_key in lanes); the rare matches leave through the mask.
+  const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  const __m256i vwant = _mm256_set1_epi32(static_cast<int>(want));
+  const __m128i vshift = _mm_cvtsi32_si128(shift);
+  for (; i + 8 <= n; i += 8) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    const __m256i key = _mm256_xor_si256(raw, _mm256_or_si256(_mm256_srai_epi32(raw, 31), sign));
+    const __m256i eq = _mm256_cmpeq_epi32(_mm256_srl_epi32(key, vshift), vwant);
+    for (unsigned mask = _mm256_movemask_ps(_mm256_castsi256_ps(eq)); mask; mask &= mask - 1) {
+      dst[kept++] = src[i + __builtin_ctz(mask)];
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    if ((ordered_key(src[i]) >> shift) == want) dst[kept++] = src[i];
+  }
+  return kept;
+}
+
 // The split radix selection (RadixSelect) over x[0..V): count (kMass = false) or mass weights.
-// Rounds 0 and 1 scan the chunk; round 1 also keeps the elements that share the prefix, and
-// rounds 2 and 3 scan only those (the histograms are the same; only fewer elements are read).
+// Round 0 histograms the chunk (in integers where that is exact); round 1 keeps the chunk's
+// elements that share the prefix as candidates, and every later round filters those. The bin sums
+// and the candidates' histograms add in the chunk's order, so the bits are the ones of the plain
+// sequential rounds.
 template <bool kMass>
 float select_threshold(const VocabChunks& chunks, const float* x, double target, SelectScratch& s) {
   s.hists.assign(static_cast<size_t>(chunks.count) * kRadixBins, 0.0);
@@ -98,34 +192,17 @@ float select_threshold(const VocabChunks& chunks, const float* x, double target,
   while (!sel.done()) {
     for_each_chunk(chunks, [&](int32_t c, int64_t lo, int64_t hi) {
       double* h = s.hists.data() + static_cast<size_t>(c) * kRadixBins;
-      std::fill(h, h + kRadixBins, 0.0);
       if (sel.round == 0) {
-        // Four interleaved histograms: the weights of a row crowd into a few bins, and runs of
-        // elements in one bin would chain every addition on the previous one.
-        constexpr int kLanes = 4;
-        double lanes[kLanes][kRadixBins] = {};
-        int64_t i = lo;
-        for (; i + kLanes <= hi; i += kLanes) {
-          for (int l = 0; l < kLanes; ++l) {
-            lanes[l][ordered_key(x[i + l]) >> (32 - kRadixBits)] += kMass ? x[i + l] : 1.0;
-          }
-        }
-        for (; i < hi; ++i) lanes[0][ordered_key(x[i]) >> (32 - kRadixBits)] += kMass ? x[i] : 1.0;
-        for (int b = 0; b < kRadixBins; ++b) h[b] = (lanes[0][b] + lanes[1][b]) + (lanes[2][b] + lanes[3][b]);
+        if (!kMass || hi - lo >= kExactChunkMax || !mass_round0_exact(x, lo, hi, h)) round0_double<kMass>(x, lo, hi, h);
         return;
       }
       // Round 1 reads the chunk, later rounds the candidates; either way the matches are kept.
       const float* src = sel.round == 1 ? x + lo : s.cand.data() + lo;
       const int64_t n = sel.round == 1 ? hi - lo : s.n[c];
       float* keep = s.cand.data() + lo;
-      int64_t kept = 0;
-      for (int64_t i = 0; i < n; ++i) {
-        const float v = src[i];
-        const uint32_t key = ordered_key(v);
-        if (!sel.matches(key)) continue;
-        h[sel.bin(key)] += kMass ? v : 1.0;
-        keep[kept++] = v;
-      }
+      const int64_t kept = keep_matching(src, n, sel.prefix, kRadixBits * sel.round, keep);
+      std::fill(h, h + kRadixBins, 0.0);
+      for (int64_t i = 0; i < kept; ++i) h[sel.bin(ordered_key(keep[i]))] += kMass ? keep[i] : 1.0;
       s.n[c] = kept;
     });
     for (int b = 0; b < kRadixBins; ++b) {
