@@ -5,6 +5,7 @@
 #include "cpu/tree_attention_exact.h"
 #include "poss/linear_args.h"
 #include "poss/qlinear_args.h"
+#include "poss/vocab_split.h"
 
 #ifndef POSS_TORCH_VERSION
 #define POSS_TORCH_VERSION "unknown"
@@ -42,6 +43,10 @@ PYBIND11_MODULE(_C, m) {
         "x_int8, the int8-activation path's: 'avx2' or 'scalar'.");
   m.def("force_cpu_qlinear_kernel", &poss::force_cpu_qlinear_kernel, py::arg("name"),
         "Run poss::qlinear with kernel 'avx512', 'avx2' or 'scalar' ('' = the best this CPU has).");
+  m.def("force_vocab_chunk_len", &poss::force_vocab_chunk_len, py::arg("len"),
+        "Split tree_verify's vocabulary into chunks of `len` tokens (at most 64 chunks) on every "
+        "device; 0 = by shape.");
+  m.def("vocab_chunk_len", &poss::forced_vocab_chunk_len, "The forced chunk length (0 = by shape).");
   m.def("cpu_exact_attention_lanes", &poss::cpu_exact_attention_lanes,
         "SIMD lanes of the CPU's row-exact tree attention: 16 (AVX512F) or 8 (AVX2, or POSS_ATTENTION_LANES=8).");
 }

@@ -326,6 +326,18 @@ def force_cpu_qlinear_kernel(name: str = "") -> None:
     _C.force_cpu_qlinear_kernel(name)
 
 
+def force_vocab_chunk_len(length: int = 0) -> int:
+    """Split :func:`tree_verify`'s vocabulary into chunks of ``length`` tokens from now on, on every
+    device (at most 64 chunks: longer ones when V needs it); ``0`` goes back to the split by shape
+    (``csrc/include/poss/vocab_split.h``). Tests use it to split small vocabularies. Returns the
+    previous setting."""
+    from poss_ext import _C
+
+    previous = _C.vocab_chunk_len()
+    _C.force_vocab_chunk_len(length)
+    return previous
+
+
 def cpu_exact_attention_lanes() -> int:
     """SIMD lanes of the row-exact CPU path of :func:`tree_attention` (requests behind a committed
     prefix): 16 on CPUs with AVX512F, else 8. Both widths give the same bits; ``POSS_ATTENTION_LANES=8``

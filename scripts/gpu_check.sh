@@ -18,7 +18,7 @@ stamp() { echo "== [$((SECONDS - start)) s] $*"; }
 # The files that hold tests marked `cuda` (collecting the whole suite would import the serving stack,
 # whose packages a bare GPU image may lack).
 cuda_tests="tests/ops/test_linear.py tests/ops/test_tree_attention.py tests/ops/test_layer_ops.py
-  tests/ops/test_kv_compact.py tests/ops/test_build_tree.py tests/ops/test_tree_verify.py
+  tests/ops/test_kv_compact.py tests/ops/test_build_tree.py tests/ops/test_tree_verify.py tests/ops/test_tree_verify_split.py
   tests/ops/test_triton_attention.py tests/decode/test_loop_devices.py"
 per_test=""
 python3 -c "import pytest_timeout" 2>/dev/null && per_test="--timeout=120"
@@ -75,6 +75,8 @@ grep -E "^(decode step|60/6 round|ratios|total|Traceback|[A-Za-z]*Error)|skippin
 if command -v compute-sanitizer >/dev/null; then
   stamp "compute-sanitizer memcheck: the CUDA op tests of tree_verify, tree_attention and kv_compact"
   timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest tests/ops/test_tree_verify.py \
+    tests/ops/test_tree_verify_split.py::test_greedy_ties_across_chunks_go_to_the_lowest_id \
+    tests/ops/test_tree_verify_split.py::test_thresholds_with_ties_across_chunks \
     tests/ops/test_tree_attention.py tests/ops/test_kv_compact.py -q -p no:cacheprovider -m cuda -x >"$out/memcheck.log" 2>&1
   echo "memcheck exit $? (9: errors found; 124: time limit)"
   grep -E "ERROR SUMMARY|Invalid|passed|failed" "$out/memcheck.log" | tail -8

@@ -5,6 +5,10 @@ one round. When the round emits fewer than two tokens the second is sampled from
 directly. The joint law of the first two generated tokens must equal p(x1 | ctx) p(x2 | ctx, x1),
 computed exactly here. Deliberately wrong acceptance rules, simulated with the same machinery,
 must fail the same test.
+
+The kernels split the vocabulary into chunks (csrc/include/poss/vocab_split.h); the op also runs with
+V = 8 split into chunks of 3, 3, 2 and of one token, and two wrong ways to combine the chunks' partial
+masses in the draw must fail the same test (split_draw).
 """
 
 import numpy as np
@@ -106,8 +110,41 @@ def chi_square_p(samples: np.ndarray, joint: np.ndarray) -> float:
     return float(stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue)
 
 
-def simulate(logit_fn, params, tokens, paths, uniforms, renormalise=True, leaf_processor=True, min_p_rule="right"):
-    """The acceptance walk in numpy, vectorised over draws, with switchable (wrong) rules."""
+def split_draw(residual: np.ndarray, u: np.ndarray, chunk: int, combine: str = "right") -> np.ndarray:
+    """Inverse-CDF draws [D] from `residual` [D, V] (unnormalised) with uniforms `u` [D], the vocabulary
+    split into chunks of `chunk` tokens as the kernels draw (vocab_split.h): the chunks' masses pick the
+    chunk (draw_chunk), a scan of that chunk from the mass before it picks the token.
+
+    Wrong combines: "no-offset" scans the picked chunk from 0 instead of from the mass of the chunks
+    before it (the chunk's last tokens win too often); "max-total" takes the largest chunk mass as the
+    total where the sum belongs (the first chunks win too often).
+    """
+    D, n = residual.shape
+    starts = np.arange(0, n, chunk)
+    sums = np.add.reduceat(residual, starts, axis=1)  # [D, C]
+    total = sums.max(1) if combine == "max-total" else sums.sum(1)
+    target = u * total
+    through = np.cumsum(sums, 1)
+    picked = np.minimum((through <= target[:, None]).sum(1), len(starts) - 1)
+    out = np.empty(D, np.int64)
+    for c, lo in enumerate(starts):
+        rows = np.flatnonzero(picked == c)
+        if not len(rows):
+            continue
+        hi = min(lo + chunk, n)
+        before = np.zeros(len(rows)) if combine == "no-offset" else through[rows, c] - sums[rows, c]
+        cdf = before[:, None] + np.cumsum(residual[rows, lo:hi], 1)
+        idx = (cdf <= target[rows, None]).sum(1)
+        # Past the chunk's end (rounding, or the wrong rule): its last token with mass.
+        last = hi - lo - 1 - np.argmax(residual[rows, lo:hi][:, ::-1] > 0, axis=1)
+        out[rows] = lo + np.minimum(idx, last)
+    return out
+
+
+def simulate(logit_fn, params, tokens, paths, uniforms, renormalise=True, leaf_processor=True, min_p_rule="right",
+             chunk=None, combine="right"):
+    """The acceptance walk in numpy, vectorised over draws, with switchable (wrong) rules. With `chunk`,
+    the final draw is split_draw's over chunks of that many tokens."""
     n = len(PARENTS)
     children = {i: [c for c in range(1, n) if PARENTS[c] == i] for i in range(n)}
     probs = {i: processed(logit_fn(paths[i]), *params, min_p_rule=min_p_rule) for i in range(n)}
@@ -141,8 +178,11 @@ def simulate(logit_fn, params, tokens, paths, uniforms, renormalise=True, leaf_p
             cur[sel[go]] = accepted[go]
             stop = sel[~go]
             res = residual[~go]
-            cdf = np.cumsum(res, 1)
-            nxt[stop] = (cdf < (uniforms[stop, n] * cdf[:, -1])[:, None]).sum(1)
+            if chunk is None:
+                cdf = np.cumsum(res, 1)
+                nxt[stop] = (cdf < (uniforms[stop, n] * cdf[:, -1])[:, None]).sum(1)
+            else:
+                nxt[stop] = split_draw(res, uniforms[stop, n], chunk, combine)
             active[stop] = False
     return nodes, length, nxt
 
@@ -154,8 +194,28 @@ PARAMS = [(1.0, 0, 1.0, 0.0), (0.7, 0, 0.9, 0.0), (1.3, 4, 1.0, 0.0), (0.7, 5, 0
           MIN_P_ORDER_PARAMS]
 
 
-@pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"T{p[0]}-k{p[1]}-p{p[2]}-minp{p[3]}")
+def param_id(p):
+    return f"T{p[0]}-k{p[1]}-p{p[2]}-minp{p[3]}"
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=param_id)
 def test_tree_verify_samples_the_target_exactly(params):
+    check_op_samples_the_target(params)
+
+
+# Chunks of 3 tokens (3, 3, 2: uneven) and of 1 token (8 chunks); the processors that use the split
+# thresholds (top-k, top-p, min-p) and the plain draw.
+@pytest.mark.parametrize("chunk", [3, 1])
+@pytest.mark.parametrize("params", [PARAMS[0], PARAMS[3], MIN_P_ORDER_PARAMS], ids=param_id)
+def test_tree_verify_split_across_the_vocabulary_samples_the_target_exactly(chunk, params):
+    previous = poss_ext.ops.force_vocab_chunk_len(chunk)
+    try:
+        check_op_samples_the_target(params)
+    finally:
+        poss_ext.ops.force_vocab_chunk_len(previous)
+
+
+def check_op_samples_the_target(params):
     logit_fn = target_logits()
     tokens, paths = tree_tokens(logit_fn, params)
     n = len(PARENTS)
@@ -186,8 +246,12 @@ def test_tree_verify_samples_the_target_exactly(params):
         (dict(leaf_processor=False), (0.7, 5, 0.8, 0.0)),  # the PosS/HASS leaf-bonus bug
         (dict(min_p_rule="absolute"), (1.0, 0, 1.0, 0.15)),  # p(x) >= min_p, not min_p * max p
         (dict(min_p_rule="before-top-p"), MIN_P_ORDER_PARAMS),  # min-p ahead of top-p
+        # The split draw (chunks of 3 tokens) with the right combine must pass and wrong ones fail.
+        (dict(chunk=3, combine="no-offset"), (1.0, 0, 1.0, 0.0)),
+        (dict(chunk=3, combine="max-total"), (1.0, 0, 1.0, 0.0)),
     ],
-    ids=["no-renormalise", "leaf-bonus-without-processor", "min-p-absolute", "min-p-before-top-p"],
+    ids=["no-renormalise", "leaf-bonus-without-processor", "min-p-absolute", "min-p-before-top-p",
+         "split-no-offset", "split-max-total"],
 )
 def test_wrong_rules_fail_the_same_test(rule, params):
     logit_fn = target_logits()
@@ -195,7 +259,8 @@ def test_wrong_rules_fail_the_same_test(rule, params):
     uniforms = np.random.default_rng(3).random((DRAWS, len(PARENTS) + 1))
     joint = expected_joint(logit_fn, params)
     rng = np.random.default_rng(4)
-    right = first_two(logit_fn, params, tokens, *simulate(logit_fn, params, tokens, paths, uniforms), rng)
+    split = {k: v for k, v in rule.items() if k == "chunk"}  # the right rule, split the same way
+    right = first_two(logit_fn, params, tokens, *simulate(logit_fn, params, tokens, paths, uniforms, **split), rng)
     assert chi_square_p(right, joint) > P_VALUE_FLOOR, "the simulation of the right rule must pass"
     wrong = first_two(logit_fn, params, tokens, *simulate(logit_fn, params, tokens, paths, uniforms, **rule), rng)
     assert chi_square_p(wrong, joint) < 1e-12

@@ -2,10 +2,11 @@
 //
 // The walk is generic over a `Row` policy that owns the vocabulary-wide work on one row of target
 // logits (an argmax, or the steps that build the processed distribution). Which steps run, and in
-// which order, is decided here (processed_distribution), once for both devices. The CPU policy
-// vectorises over V;
-// the CUDA policy is block-collective, and every thread of the block runs this same walk with the
-// same broadcast values, so control flow stays uniform.
+// which order, is decided here (processed_distribution), once for both devices. Both policies split
+// each vocabulary-wide step into per-chunk partials and a combine (vocab_split.h). The CPU policy
+// vectorises within a chunk; the CUDA policy runs a block per chunk, and every thread of every
+// block of a request runs this same walk with the same combined values, so control flow stays
+// uniform.
 #pragma once
 
 #include <cstdint>
