@@ -256,10 +256,18 @@ def model_card(d: dict, steps: int) -> str:
         knobs.append(f"INIT={init['path']}")
     if data.get("train_size") and data["train_size"] != DRIVER_TRAIN_SIZE:
         knobs.append(f"TRAIN_SIZE={data['train_size']}")
-    if r["epochs"] != 1:
+    run_name = d["run"].name if d["run"] is not None else d["name"]
+    if d["run"] is not None and shown(d["run"].parent) != "runs":
+        knobs.append(f"RUNS={shown(d['run'].parent)}")
+    if run_name == "eagle2-init":  # the driver's init run: its schedule is INIT_ARGS, not EPOCHS
+        knobs.append(f'INIT_ARGS="--epochs {r["epochs"]}' + (f' --max-batches {r["max_batches"]}"'
+                                                             if r.get("max_batches") else '"'))
+    elif r["epochs"] != 1:
         knobs.append(f"EPOCHS={r['epochs']}")
-    driver = " ".join(knobs + [f"scripts/train_drafts.sh {d['name']}"])
+    driver = " ".join(knobs + [f"scripts/train_drafts.sh {run_name}"])
     release_run = shown(d["run"]) if d["run"] is not None else f"runs/{d['name']}"
+    if d["run"] is not None and d["run"].name != d["name"]:
+        release_run += f" --name {d['name']}"
     return f"""# {d['label']} draft for {title}
 
 {architecture(c, r)} {vocabulary(c)} The target's embedding and lm_head are shared, not stored.
