@@ -257,7 +257,7 @@ def model_card(d: dict, steps: int) -> str:
     if data.get("train_size") and data["train_size"] != DRIVER_TRAIN_SIZE:
         knobs.append(f"TRAIN_SIZE={data['train_size']}")
     run_name = d["run"].name if d["run"] is not None else d["name"]
-    if d["run"] is not None and shown(d["run"].parent) != "runs":
+    if d["run"] is not None and d["run"].parent.name != "runs":
         knobs.append(f"RUNS={shown(d['run'].parent)}")
     if run_name == "eagle2-init":  # the driver's init run: its schedule is INIT_ARGS, not EPOCHS
         knobs.append(f'INIT_ARGS="--epochs {r["epochs"]}' + (f' --max-batches {r["max_batches"]}"'
