@@ -1,16 +1,19 @@
 """Time a list of trees, prompt-lookup chains included, against our AR loop, alternated in one process.
 
     PYTHONPATH=.:python python bench/bench_tree_sweep.py --trees 4/1+4 3/1+6 6/2+4 --prompts 8 --repeats 3
+    PYTHONPATH=.:python python bench/bench_tree_sweep.py --target qwen2.5-coder-0.5b --draft coder-eagle2 \
+        --prompt-set humaneval164 --trees 2/1+4 --datastore FILE.npz --datastore-ab
     PYTHONPATH=.:python pytest bench/bench_tree_sweep.py --benchmark-disable -q   (tiny random model, seconds)
 
 Each repeat times our AR loop and then every tree (``NODES/DEPTH`` or ``NODES/DEPTH+K``), prompt by
-prompt, on the same MT-Bench first turns, greedy, batch 1, ``--new`` tokens each (end tokens ignored), with the shipped
-draft ``--draft``. The table gives, per tree, the median over repeats of tokens/s and of its ratio to
-the AR loop of the same repeat (a shared machine drifts between repeats, less within one), the spread
-of that ratio, tau and the ms per round. It is for ranking trees close to each other: ``auto``
-(:mod:`poss.decode.autotune`) times only its own candidates. Chains come from the context, then from
-the datastore ``poss.load`` ships for the target (:mod:`poss.decode.datastore`); ``--datastore-ab``
-times each chained tree also without it, right after it.
+prompt, on the same first turns of ``--prompt-set`` (MT-Bench by default), greedy, batch 1, ``--new``
+tokens each (end tokens ignored), with the shipped draft ``--draft`` of ``--target``. The table gives,
+per tree, the median over repeats of tokens/s and of its ratio to the AR loop of the same repeat (a
+shared machine drifts between repeats, less within one), the spread of that ratio, tau and the ms per
+round. It is for ranking trees close to each other: ``auto`` (:mod:`poss.decode.autotune`) times only
+its own candidates. Chains come from the context, then from ``--datastore``
+(:mod:`poss.decode.datastore`; by default the one ``poss.load`` ships for the target);
+``--datastore-ab`` times each chained tree also without it, right after it.
 """
 
 import argparse
@@ -68,7 +71,13 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--datastore-ab", action="store_true",
-                    help="time every chained tree also without the shipped datastore (rows 'no datastore')")
+                    help="time every chained tree also without the datastore (rows 'no datastore')")
+    ap.add_argument("--datastore", default="auto",
+                    help="the datastore chains fall back to: 'auto' (the one shipped for the target), or a .npz "
+                         "from `poss datastore build`")
+    ap.add_argument("--target", default="smollm2-135m", help="registry target whose shipped drafts run")
+    ap.add_argument("--prompt-set", default="mt_bench", help="packaged eval set whose first turns are the prompts "
+                    "(humaneval164 for the coder)")
     a = ap.parse_args(argv)
     from poss.decode.params import tree_spec
 
@@ -84,12 +93,12 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(a.threads)
     dt = hardware.resolve_dtype(a.dtype)
-    folder = next((f for f in shipped_drafts("smollm2-135m") if f.name == a.draft), None)
+    folder = next((f for f in shipped_drafts(a.target) if f.name == a.draft), None)
     if folder is None:
-        ap.error(f"--draft: no shipped draft named {a.draft!r}")
-    gen = poss.load("smollm2-135m", dtype=dt)
+        ap.error(f"--draft: no draft named {a.draft!r} is shipped for --target {a.target!r}")
+    gen = poss.load(a.target, dtype=dt, datastore=a.datastore)
     draft = PosSDraft.load(folder, dtype=dt).attach(gen.runner, 1, 256)
-    prompts = [gen.encode(r["turns"][0]) for r in load_eval_set("mt_bench")[:a.prompts]]
+    prompts = [gen.encode(r["turns"][0]) for r in load_eval_set(a.prompt_set)[:a.prompts]]
     store = gen.datastore
     # (name, tree, datastore): with --datastore-ab, each chained tree also without the datastore
     configs = [(shape_of(t), t, store) for t in trees]
@@ -98,9 +107,9 @@ def main(argv=None) -> int:
         configs.sort(key=lambda c: trees.index(c[1]))  # each tree's pair back to back
     runs, ar_rates = sweep(gen, draft, prompts, a.new, configs, a.repeats,
                            log=lambda m: print(m, file=sys.stderr, flush=True))
-    print(f"{hardware.header(dt, a.threads)}; draft `{a.draft}`, {a.prompts} MT-Bench prompts x {a.new} new tokens, "
-          f"batch 1, greedy, {a.repeats} repeats, chains from the context then "
-          f"{'the shipped datastore' if store is not None else 'nowhere else'}; "
+    print(f"{hardware.header(dt, a.threads)}; target `{a.target}`, draft `{a.draft}`, {a.prompts} {a.prompt_set} "
+          f"prompts x {a.new} new tokens, batch 1, greedy, {a.repeats} repeats, chains from the context then "
+          f"{'the datastore ' + a.datastore if store is not None else 'nowhere else'}; "
           f"our AR loop {statistics.median(ar_rates):.1f} tok/s (median)\n")
     print(table(runs))
     return 0
