@@ -224,8 +224,9 @@ def test_subnormal_scale_is_clamped_to_127(kern):
 
 @pytest.mark.parametrize("kern", KERNELS)
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
-def test_non_finite_x_makes_its_row_nan_only(kern, bad):
-    x, w, _, _ = inputs(3, 10, 64, "q4_1", torch.float32, 2)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_finite_x_makes_its_row_nan_only(kern, bad, dtype):
+    x, w, _, _ = inputs(3, 10, 64, "q4_1", dtype, 2)
     x[1, 40] = bad
     with kernel(kern):
         out = poss_ext.ops.qlinear(x, w, "q4_1", x_int8=True)
@@ -233,6 +234,23 @@ def test_non_finite_x_makes_its_row_nan_only(kern, bad):
     assert out[1].isnan().all()
     assert torch.equal(out[[0, 2]], rows)
     assert torch.equal(out.nan_to_num(7.0), reference.qlinear_int8(x, w, "q4_1").nan_to_num(7.0))
+
+
+@pytest.mark.skipif(len(KERNELS) < 2, reason="one int8 kernel only on this CPU")
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_nan_row_has_the_same_bits_on_every_kernel(fmt, dtype):
+    """A NaN row's outputs (8 weight rows at a time and the N % 8 rest), rounded to x's dtype, with
+    bias and residual: the AVX2 kernel's vector rounding gives the scalar kernel's bits, NaNs too."""
+    x, w, b, r = inputs(19, 21, 96, fmt, dtype, 5, bias=True, residual=True)
+    x[4, 50] = float("nan")
+    r[7, 3] = float("nan")
+    outs = []
+    for k in KERNELS:
+        with kernel(k):
+            outs.append(poss_ext.ops.qlinear(x, w, fmt, b, r, x_int8=True))
+    assert outs[0][4].isnan().all() and outs[0][7, 3].isnan()
+    assert torch.equal(bits(outs[0]), bits(outs[1]))
 
 
 def test_order_is_8_lanes_then_a_pairwise_tree():
