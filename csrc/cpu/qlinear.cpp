@@ -33,9 +33,23 @@
 // The scalar kernel computes isum with a plain loop. AVX2 uses maddubs + madd (exact: q8_0 goes
 // through the sign trick, |qw| <= 128 times |q| <= 127, two products per int16 <= 32512; the 4-bit
 // formats sum 16 products per int16, <= 30480, before one madd): for q4_0 / q4_1, 8 weight rows at a
-// time, vector lane k = weight row k (rows8_micro; the last N % 8 rows as q8_0); for q8_0, one weight
-// row and 8 of its blocks at a time, transposed so that lane k holds block k. An AVX512 CPU runs
-// the AVX2 int8 kernel.
+// time, vector lane k = weight row k, against a tile of up to 16 rows of x (rows8_micro; the last
+// N % 8 rows as q8_0); for q8_0, one weight row and 8 of its blocks at a time, transposed so that
+// lane k holds block k, up to 8 rows of x. An AVX512 CPU runs the AVX2 int8 kernel. x's
+// quantization and the 8-weight-row pass's stores run 8 lanes at a time (the same bits).
+//
+// Measured (bench/bench_qlinear.py --threads 1 --rows 1 2 4 8 16 --acts int8 --formats q4_1 q4_0
+// --clock cpu: thread CPU time of a pass over SmolLM2-135M's shapes, 2-core AMD EPYC Zen 3, AVX2 + FMA,
+// no AVX512 / VNNI, the other core busy, 2026-12-07), ms at 1 / 2 / 4 / 8 / 16 rows of x, this
+// build against the one before it (4-row 8-weight-row pass, row by row at 5+ rows), alternated four
+// times, ranges:
+//   q4_1: 7.1-10.0 / 9.0-9.7 / 12.2-15.6 / 20.9-23.5 / 36.1-39.7 against 7.3-10.8 / 10.7-11.0 /
+//         16.7-18.4 / 31.5-34.5 / 65.2-69.6;
+//   q4_0: 6.8-7.1 / 8.9-10.3 / 11.7-12.7 / 18.3-29.4 / 32.8-34.4 against 6.9-7.9 / 9.9-17.9 /
+//         16.5-25.9 / 30.5-48.0 / 58.8-89.5.
+// From the medians an extra row of x costs 1.7-2.0 ms a pass (was 3.1-4.8): ~10 cycles per block of
+// 8 weight rows (8 broadcasts, 8 maddubs, 7 int16 adds, a madd, the fp32 steps: ~33 vector uops, and
+// Zen 3 issues 4 a cycle).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -205,7 +219,8 @@ inline void quantize_block(const float* x, int8_t* q, float& d, int32_t& s) {
 // quantize_block 8 lanes at a time, the same bits: the largest |x| bit pattern (max_epu32), one fp32
 // division for dx, then per lane an IEEE division, round half to even (the default rounding mode,
 // as rint), the clamp and the exact integer sum. x / dx is finite here (a NaN or inf x makes dx
-// non-finite, the zero branch). A row of 1536 took ~3.6 us of scalar divisions; this is ~6x less.
+// non-finite, the zero branch). With the vector stores below, a row of x of 1536 went from ~3.6 us of
+// per-call work outside the weight pass to ~1.2 (thread CPU time, the Zen 3 EPYC).
 POSS_Q_AVX2 inline void quantize_block_avx2(const float* x, int8_t* q, float& d, int32_t& s) {
   __m256 v[4];
   __m256i top = _mm256_setzero_si256();
@@ -804,8 +819,8 @@ POSS_Q_AVX2 inline __m256 load8(const c10::BFloat16* p) {  // exact: bf16 is fp3
 
 // Epilogue::store of outputs n .. n + 7 of row m, 8 lanes at a time and the same bits: the same fp32
 // adds, and bf16's rounding as c10's (round half to even on the bits, NaN -> 0x7FC0). fp16 element
-// by element (c10's conversion). The 8-weight-row pass stores through it: one row of x's outputs
-// took ~4 cycles each element by element.
+// by element (c10's conversion). The 8-weight-row pass stores through it (element by element, a bf16
+// output took ~4 cycles).
 template <typename T>
 POSS_Q_AVX2 void store8(const Epilogue<T>& e, int64_t m, int64_t n, const float* s) {
   if constexpr (std::is_same_v<T, c10::Half>) {
