@@ -33,9 +33,23 @@
 // The scalar kernel computes isum with a plain loop. AVX2 uses maddubs + madd (exact: q8_0 goes
 // through the sign trick, |qw| <= 128 times |q| <= 127, two products per int16 <= 32512; the 4-bit
 // formats sum 16 products per int16, <= 30480, before one madd): for q4_0 / q4_1, 8 weight rows at a
-// time, vector lane k = weight row k (rows8_micro; the last N % 8 rows as q8_0); for q8_0, one weight
-// row and 8 of its blocks at a time, transposed so that lane k holds block k. An AVX512 CPU runs
-// the AVX2 int8 kernel.
+// time, vector lane k = weight row k, against a tile of up to 16 rows of x (rows8_micro; the last
+// N % 8 rows as q8_0); for q8_0, one weight row and 8 of its blocks at a time, transposed so that
+// lane k holds block k, up to 8 rows of x. An AVX512 CPU runs the AVX2 int8 kernel. x's
+// quantization and the 8-weight-row pass's stores run 8 lanes at a time (the same bits).
+//
+// Measured (bench/bench_qlinear.py --threads 1 --rows 1 2 4 8 16 --acts int8 --formats q4_1 q4_0
+// --clock cpu: thread CPU time of a pass over SmolLM2-135M's shapes, 2-core AMD EPYC Zen 3, AVX2 + FMA,
+// no AVX512 / VNNI, the other core busy, 2026-12-07), ms at 1 / 2 / 4 / 8 / 16 rows of x, this
+// build against the one before it (4-row 8-weight-row pass, row by row at 5+ rows), alternated four
+// times, ranges:
+//   q4_1: 7.1-10.0 / 9.0-9.7 / 12.2-15.6 / 20.9-23.5 / 36.1-39.7 against 7.3-10.8 / 10.7-11.0 /
+//         16.7-18.4 / 31.5-34.5 / 65.2-69.6;
+//   q4_0: 6.8-7.1 / 8.9-10.3 / 11.7-12.7 / 18.3-29.4 / 32.8-34.4 against 6.9-7.9 / 9.9-17.9 /
+//         16.5-25.9 / 30.5-48.0 / 58.8-89.5.
+// From the medians an extra row of x costs 1.7-2.0 ms a pass (was 3.1-4.8): ~10 cycles per block of
+// 8 weight rows (8 broadcasts, 8 maddubs, 7 int16 adds, a madd, the fp32 steps: ~33 vector uops, and
+// Zen 3 issues 4 a cycle).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -151,8 +165,14 @@ struct QuantX {
   const int8_t* qt;  // q with each group of 8 blocks transposed by 4-byte words (Avx2I8Kern::group)
   const float* d;    // [M, nbp]
   const int32_t* s;  // [M, nbp]
-  const float* sf;   // s as fp32 (exact: |s| <= 32 * 127), broadcast by the 8-row AVX2 kernel
   int64_t nbp;
+  // Block-major copies for the 8-weight-row AVX2 pass (rows8_micro), block b of row m at b * M + m:
+  // the rows of a tile sit at fixed offsets from one pointer per block.
+  const int32_t* bq;   // [nb, M, 8]: the block's quants as 8 4-byte words
+  const float* bd;     // [nb, M]: dx
+  const float* bsf;    // [nb, M]: sx as fp32 (exact: |sx| <= 32 * 127), q4_1's min term
+  const int32_t* bs8;  // [nb, M]: 8 sx, q4_0's offset
+  int64_t M;
 };
 
 // A value rounded to fp32 and hidden from the compiler, so that it cannot fuse the multiply that
@@ -195,24 +215,75 @@ inline void quantize_block(const float* x, int8_t* q, float& d, int32_t& s) {
   }
 }
 
-// The rows of x [M, K] fp32 quantized into this thread's buffers.
-QuantX quantize_rows(const float* x, int64_t M, int64_t K) {
+#ifdef POSS_QX86
+// quantize_block 8 lanes at a time, the same bits: the largest |x| bit pattern (max_epu32), one fp32
+// division for dx, then per lane an IEEE division, round half to even (the default rounding mode,
+// as rint), the clamp and the exact integer sum. x / dx is finite here (a NaN or inf x makes dx
+// non-finite, the zero branch). With the vector stores below, a row of x of 1536 went from ~3.6 us of
+// per-call work outside the weight pass to ~1.2 (thread CPU time, the Zen 3 EPYC).
+POSS_Q_AVX2 inline void quantize_block_avx2(const float* x, int8_t* q, float& d, int32_t& s) {
+  __m256 v[4];
+  __m256i top = _mm256_setzero_si256();
+  const __m256i abs_bits = _mm256_set1_epi32(0x7FFFFFFF);
+  for (int k = 0; k < 4; ++k) {
+    v[k] = _mm256_loadu_ps(x + 8 * k);
+    top = _mm256_max_epu32(top, _mm256_and_si256(_mm256_castps_si256(v[k]), abs_bits));
+  }
+  __m128i t = _mm_max_epu32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
+  t = _mm_max_epu32(t, _mm_srli_si128(t, 8));
+  t = _mm_max_epu32(t, _mm_srli_si128(t, 4));
+  const uint32_t amax_bits = static_cast<uint32_t>(_mm_cvtsi128_si32(t));
+  float amax;
+  std::memcpy(&amax, &amax_bits, sizeof amax);
+  const float dx = amax / 127.0f;
+  d = dx;
+  s = 0;
+  if (!(dx > 0.0f) || !std::isfinite(dx)) {
+    std::memset(q, 0, 32);
+    return;
+  }
+  const __m256 dv = _mm256_set1_ps(dx), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  __m256i r[4];
+  for (int k = 0; k < 4; ++k) {
+    const __m256 y = _mm256_round_ps(_mm256_div_ps(v[k], dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r[k] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(y, lo), hi));
+  }
+  // packs work per 128-bit half: bytes come out as 4-byte words a0 b0 c0 d0 | a1 b1 c1 d1 (r[0] = a).
+  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  __m256i sum = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  h = _mm_add_epi32(h, _mm_srli_si128(h, 8));
+  h = _mm_add_epi32(h, _mm_srli_si128(h, 4));
+  s = _mm_cvtsi128_si32(h);
+}
+#endif
+
+// The rows of x [M, K] fp32 quantized into this thread's buffers (with AVX2 when `avx2`), with the
+// block-major copies when `block_major` (the AVX2 pass of the 4-bit formats reads them).
+QuantX quantize_rows(const float* x, int64_t M, int64_t K, bool avx2, bool block_major) {
   const int64_t nb = K / kQBlock, nbp = (nb + kI8Lanes - 1) / kI8Lanes * kI8Lanes;
   thread_local std::vector<int8_t> qbuf;
   thread_local std::vector<float> dbuf;
   thread_local std::vector<int32_t> sbuf;
-  thread_local std::vector<float> sfbuf;
   qbuf.assign(static_cast<size_t>(M * nbp * kQBlock), 0);
   dbuf.assign(static_cast<size_t>(M * nbp), 0.0f);
   sbuf.assign(static_cast<size_t>(M * nbp), 0);
-  sfbuf.assign(static_cast<size_t>(M * nbp), 0.0f);
   thread_local std::vector<int8_t> tbuf;
   tbuf.resize(qbuf.size());
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < nb; ++b)
-      quantize_block(x + m * K + b * kQBlock, qbuf.data() + (m * nbp + b) * kQBlock, dbuf[m * nbp + b],
-                     sbuf[m * nbp + b]);
-  for (size_t i = 0; i < sbuf.size(); ++i) sfbuf[i] = static_cast<float>(sbuf[i]);
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * kQBlock;
+      int8_t* qb = qbuf.data() + (m * nbp + b) * kQBlock;
+#ifdef POSS_QX86
+      if (avx2) {
+        quantize_block_avx2(xb, qb, dbuf[m * nbp + b], sbuf[m * nbp + b]);
+        continue;
+      }
+#endif
+      quantize_block(xb, qb, dbuf[m * nbp + b], sbuf[m * nbp + b]);
+    }
   // Group of 8 blocks g, word j (quants 4j..4j+3), block k of the group -> bytes 32 j + 4 k of the group.
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < nbp / kI8Lanes; ++g) {
@@ -221,7 +292,27 @@ QuantX quantize_rows(const float* x, int64_t M, int64_t K) {
       for (int j = 0; j < 8; ++j)
         for (int k = 0; k < 8; ++k) std::memcpy(dst + 32 * j + 4 * k, src + 32 * k + 4 * j, 4);
     }
-  return QuantX{qbuf.data(), tbuf.data(), dbuf.data(), sbuf.data(), sfbuf.data(), nbp};
+  QuantX qx{qbuf.data(), tbuf.data(), dbuf.data(), sbuf.data(), nbp, nullptr, nullptr, nullptr, nullptr, M};
+  if (block_major) {
+    thread_local std::vector<int32_t> bq, bs8;
+    thread_local std::vector<float> bd, bsf;
+    bq.resize(static_cast<size_t>(nb * M * 8));
+    bd.resize(static_cast<size_t>(nb * M));
+    bsf.resize(bd.size());
+    bs8.resize(bd.size());
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t m = 0; m < M; ++m) {
+        std::memcpy(bq.data() + (b * M + m) * 8, qbuf.data() + (m * nbp + b) * kQBlock, kQBlock);
+        bd[b * M + m] = dbuf[m * nbp + b];
+        bsf[b * M + m] = static_cast<float>(sbuf[m * nbp + b]);
+        bs8[b * M + m] = 8 * sbuf[m * nbp + b];
+      }
+    qx.bq = bq.data();
+    qx.bd = bd.data();
+    qx.bsf = bsf.data();
+    qx.bs8 = bs8.data();
+  }
+  return qx;
 }
 
 // sum_l qw_l * q_l of one block, with q4_0's qw - 8.
@@ -373,12 +464,15 @@ POSS_Q_AVX2 inline __m256i avx2_wq(const uint8_t* blk) {
 // Row by row (Avx2I8Kern::group below), a block's quants are transposed across 8 blocks of one row
 // at every call and its scales gathered 2 bytes at a time. Here a pass takes block b of 8 consecutive
 // weight rows at once: lane k of every vector is row k, so the scales are 8 rows' (one 32-bit load
-// each) and the integer sums come out one row per lane; x's 4-byte words are broadcast. Each row's
-// fp32 operations are the ones of the scalar order (8 accumulators acc[b % 8], then the tree), done
-// for 8 rows side by side: the same bits, whatever the rows of x or the kernel. Measured on the 2-core
-// AVX2 EPYC (Zen 3), thread CPU time of the kernel alone over SmolLM2's shapes in q4_1 (a scratch
-// harness): 7.1 ms a pass against 10.7 row by row at 1 row of x, ~25 against ~28 at 8; without the
-// prefetch below it took ~20 ms (the 8 interleaved row streams defeat the hardware prefetcher).
+// each) and the integer sums come out one row per lane; x's 4-byte words are broadcast. The weight
+// side of a block (scales, transpose, nibbles: ~24 cycles) is done once for a tile of up to 16 rows
+// of x; each row of x then costs its 8 broadcasts, 8 maddubs, 7 int16 adds, one madd and the fp32
+// steps (~10 cycles a block of 8 weight rows on Zen 3). x is read block-major (QuantX::bq), so the
+// tile's rows sit at fixed offsets from one pointer; the 8 accumulators of each row (block b into
+// b % 8) live in a small buffer, one add a block. Each row's fp32 operations are the ones of the
+// scalar order (8 accumulators, then the tree), done for 8 weight rows side by side: the same bits,
+// whatever the rows of x, the tile or the kernel. Without the prefetch below a pass took ~20 ms (the
+// 8 interleaved row streams defeat the hardware prefetcher).
 
 // 16 bytes at p + k * rb of rows k = 0..7 as 4 vectors: P[j] lane k = bytes 4j..4j+3 of row k.
 POSS_Q_AVX2 inline void transpose8x4(const uint8_t* p, int64_t rb, __m256i (&P)[4]) {
@@ -395,92 +489,77 @@ POSS_Q_AVX2 inline void transpose8x4(const uint8_t* p, int64_t rb, __m256i (&P)[
   P[3] = _mm256_unpackhi_epi64(a1, a3);
 }
 
-// Block b of the 8 weight rows at w (row stride rb) against MR rows of x (xq / xd / xs: row 0's
-// quants, dx and fp32 sums, rows xstride blocks apart), added into acc[i][R] (R = b % 8).
-template <QFormat F, int MR, int R>
-__attribute__((always_inline)) POSS_Q_AVX2 inline void rows8_block(const uint8_t* w, int64_t rb, int64_t b,
-                                                                   const int8_t* xq, const float* xd, const float* xs,
-                                                                   int64_t xstride, __m256 (&acc)[MR][8], __m256i& top) {
-  static_assert(F != QFormat::Q8_0, "the 4-bit formats only (q8_0 runs row by row)");
-  constexpr int64_t bb = block_bytes<F>();
-  const uint8_t* blk = w + b * bb;
-  // This block's share of the next 8 rows (one contiguous span): by the end of the pass, all of it.
-  // T0, one group ahead: ~7 ms a pass where NTA one group ahead took ~11 and no prefetch ~20.
-  const char* ahead = reinterpret_cast<const char*>(w) + 8 * rb + b * 8 * bb;
-  for (int c = 0; c < 8 * bb; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
-  // The 8 rows' first 4 bytes (d, and q4_1's m; q4_0: d and 2 quant bytes, masked off below).
-  uint32_t dm[8];
-  for (int k = 0; k < 8; ++k) std::memcpy(&dm[k], blk + k * rb, 4);
-  const __m256i dmv = _mm256_setr_epi32(dm[0], dm[1], dm[2], dm[3], dm[4], dm[5], dm[6], dm[7]);
-  top = _mm256_max_epu16(top, _mm256_and_si256(dmv, _mm256_set1_epi32(F == QFormat::Q4_1 ? 0x7FFF7FFF : 0x7FFF)));
-  // The low halves (d) into the lower 128 bits, the high halves (m) into the upper.
-  const __m256i split = _mm256_permute4x64_epi64(
-      _mm256_shuffle_epi8(dmv, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9,
-                                                12, 13, 2, 3, 6, 7, 10, 11, 14, 15)),
-      0xD8);
-  const __m256 dw = _mm256_cvtph_ps(_mm256_castsi256_si128(split));
-  const __m256 mw = F == QFormat::Q4_1 ? _mm256_cvtph_ps(_mm256_extracti128_si256(split, 1)) : dw;
-  // t[j] lane k: row k's quants 4j..4j+3, 0..15. A byte holds weight l (low nibble) and l + 16
-  // (high): word j of the 16 bytes gives quants 4j.. and 16 + 4j.. (one AND, one shift + AND).
-  __m256i P[4], t[8];
-  transpose8x4(blk + (F == QFormat::Q4_0 ? 2 : 4), rb, P);
-  const __m256i nib = _mm256_set1_epi8(15);
-#pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) {
-    t[j] = _mm256_and_si256(P[j], nib);
-    t[j + 4] = _mm256_and_si256(_mm256_srli_epi16(P[j], 4), nib);
-  }
-  const __m256i ones = _mm256_set1_epi16(1);
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) {
-    const int8_t* xb = xq + (i * xstride + b) * kQBlock;
-    const auto xj = [&](int j) POSS_Q_AVX2 {  // x's quants 4j..4j+3 in every lane
-      int32_t v;
-      std::memcpy(&v, xb + 4 * j, 4);
-      return _mm256_set1_epi32(v);
-    };
-    // qw in [0, 15]: each int16 sums 16 products, <= 16 * 15 * 127 = 30480.
-    __m256i s16 = _mm256_maddubs_epi16(t[0], xj(0));
-#pragma GCC unroll 8
-    for (int j = 1; j < 8; ++j) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(t[j], xj(j)));
-    __m256i isum = _mm256_madd_epi16(s16, ones);
-    const float* sx = xs + i * xstride + b;
-    if constexpr (F == QFormat::Q4_0)  // - 8 sx, exact (|8 sx| <= 32512)
-      isum = _mm256_sub_epi32(isum, _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_broadcast_ss(sx), _mm256_set1_ps(8.0f))));
-    const __m256 dx = _mm256_broadcast_ss(xd + i * xstride + b);
-    __m256 v = opaque(_mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum)));
-    if constexpr (F == QFormat::Q4_1)
-      v = _mm256_add_ps(v, opaque(_mm256_mul_ps(_mm256_mul_ps(mw, dx), _mm256_broadcast_ss(sx))));
-    acc[i][R] = _mm256_add_ps(acc[i][R], v);
-  }
-}
-
-// Blocks b .. b + valid - 1 (valid <= 8), each into its accumulator b % 8 = R.
-template <QFormat F, int MR, int... R>
-__attribute__((always_inline)) POSS_Q_AVX2 inline void rows8_group(std::integer_sequence<int, R...>, const uint8_t* w,
-                                                                   int64_t rb, int64_t b, int valid, const int8_t* xq,
-                                                                   const float* xd, const float* xs, int64_t xstride,
-                                                                   __m256 (&acc)[MR][8], __m256i& top) {
-  ((R < valid ? rows8_block<F, MR, R>(w, rb, b + R, xq, xd, xs, xstride, acc, top) : void()), ...);
-}
-
-// MR rows of x from m0 against weight rows 0..7 at w: sums[i][k] = row m0 + i's dot with weight row k.
+// MR rows of x from m0 against weight rows 0..7 at w (row stride rb): sums[i][k] = row m0 + i's dot
+// with weight row k.
 template <QFormat F, int MR>
 POSS_Q_AVX2 void rows8_micro(const QuantX& qx, int64_t m0, const uint8_t* w, int64_t rb, int64_t nb,
                              float sums[MR][8], uint32_t& maxbits) {
-  __m256 acc[MR][8];
-  for (int i = 0; i < MR; ++i)
-    for (int r = 0; r < 8; ++r) acc[i][r] = _mm256_setzero_ps();
+  static_assert(F != QFormat::Q8_0, "the 4-bit formats only (q8_0 runs row by row)");
+  constexpr int64_t bb = block_bytes<F>();
+  alignas(32) float accbuf[8][MR][8];  // [b % 8][row of x][weight row]
+  for (int r = 0; r < 8; ++r)
+    for (int i = 0; i < MR; ++i) _mm256_store_ps(accbuf[r][i], _mm256_setzero_ps());
   __m256i top = _mm256_setzero_si256();
-  const int8_t* xq = qx.q + m0 * qx.nbp * kQBlock;
-  const float* xd = qx.d + m0 * qx.nbp;
-  const float* xs = qx.sf + m0 * qx.nbp;
-  constexpr auto lanes = std::make_integer_sequence<int, 8>{};
-  int64_t b = 0;
-  for (; b + 8 <= nb; b += 8) rows8_group<F, MR>(lanes, w, rb, b, 8, xq, xd, xs, qx.nbp, acc, top);
-  if (b < nb) rows8_group<F, MR>(lanes, w, rb, b, static_cast<int>(nb - b), xq, xd, xs, qx.nbp, acc, top);
-  for (int i = 0; i < MR; ++i) {  // reduce8's tree, 8 rows at a time
-    __m256* a = acc[i];
+  const int64_t M = qx.M;
+  const int32_t* xq = qx.bq + m0 * 8;
+  const float* xd = qx.bd + m0;
+  const float* xs = qx.bsf + m0;
+  const int32_t* x8 = qx.bs8 + m0;
+  const __m256i nib = _mm256_set1_epi8(15);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b, xq += M * 8, xd += M, xs += M, x8 += M) {
+    const uint8_t* blk = w + b * bb;
+    // This block's share of the next 8 rows (one contiguous span): by the end of the pass, all of it.
+    // T0, one group ahead: ~7 ms a pass where NTA one group ahead took ~11 and no prefetch ~20.
+    const char* ahead = reinterpret_cast<const char*>(w) + 8 * rb + b * 8 * bb;
+#pragma GCC unroll 4
+    for (int c = 0; c < 8 * bb; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
+    // The 8 rows' first 4 bytes (d, and q4_1's m; q4_0: d and 2 quant bytes, masked off below).
+    uint32_t dm[8];
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) std::memcpy(&dm[k], blk + k * rb, 4);
+    const __m256i dmv = _mm256_setr_epi32(dm[0], dm[1], dm[2], dm[3], dm[4], dm[5], dm[6], dm[7]);
+    top = _mm256_max_epu16(top, _mm256_and_si256(dmv, _mm256_set1_epi32(F == QFormat::Q4_1 ? 0x7FFF7FFF : 0x7FFF)));
+    // The low halves (d) into the lower 128 bits, the high halves (m) into the upper.
+    const __m256i split = _mm256_permute4x64_epi64(
+        _mm256_shuffle_epi8(dmv, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8,
+                                                  9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15)),
+        0xD8);
+    const __m256 dw = _mm256_cvtph_ps(_mm256_castsi256_si128(split));
+    const __m256 mw = F == QFormat::Q4_1 ? _mm256_cvtph_ps(_mm256_extracti128_si256(split, 1)) : dw;
+    // t[j] lane k: row k's quants 4j..4j+3, 0..15. A byte holds weight l (low nibble) and l + 16
+    // (high): word j of the 16 bytes gives quants 4j.. and 16 + 4j.. (one AND, one shift + AND).
+    __m256i P[4], t[8];
+    transpose8x4(blk + (F == QFormat::Q4_0 ? 2 : 4), rb, P);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      t[j] = _mm256_and_si256(P[j], nib);
+      t[j + 4] = _mm256_and_si256(_mm256_srli_epi16(P[j], 4), nib);
+    }
+    float(*acc)[8] = accbuf[b & 7];
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      const int32_t* xw = xq + i * 8;
+      const auto xj = [&](int j) POSS_Q_AVX2 { return _mm256_set1_epi32(xw[j]); };  // x's word j in every lane
+      // qw in [0, 15], |q| <= 127: a maddubs int16 is 2 products (<= 3810, no saturation), and the
+      // sum over the 8 words 16 products, <= 16 * 15 * 127 = 30480 < 32767: exact in int16.
+      const __m256i s0 = _mm256_add_epi16(_mm256_maddubs_epi16(t[0], xj(0)), _mm256_maddubs_epi16(t[1], xj(1)));
+      const __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(t[2], xj(2)), _mm256_maddubs_epi16(t[3], xj(3)));
+      const __m256i s2 = _mm256_add_epi16(_mm256_maddubs_epi16(t[4], xj(4)), _mm256_maddubs_epi16(t[5], xj(5)));
+      const __m256i s3 = _mm256_add_epi16(_mm256_maddubs_epi16(t[6], xj(6)), _mm256_maddubs_epi16(t[7], xj(7)));
+      __m256i isum = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(s0, s1), _mm256_add_epi16(s2, s3)), ones);
+      if constexpr (F == QFormat::Q4_0)  // - 8 sx, exact (|8 sx| <= 32512)
+        isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(x8[i]));
+      const __m256 dx = _mm256_broadcast_ss(xd + i);
+      __m256 v = opaque(_mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum)));
+      if constexpr (F == QFormat::Q4_1)
+        v = _mm256_add_ps(v, opaque(_mm256_mul_ps(_mm256_mul_ps(mw, dx), _mm256_broadcast_ss(xs + i))));
+      _mm256_store_ps(acc[i], _mm256_add_ps(_mm256_load_ps(acc[i]), v));
+    }
+  }
+  for (int i = 0; i < MR; ++i) {  // reduce8's tree, 8 weight rows at a time
+    __m256 a[8];
+    for (int l = 0; l < 8; ++l) a[l] = _mm256_load_ps(accbuf[l][i]);
     for (int l = 0; l < 4; ++l) a[l] = _mm256_add_ps(a[l], a[l + 4]);
     for (int l = 0; l < 2; ++l) a[l] = _mm256_add_ps(a[l], a[l + 2]);
     _mm256_storeu_ps(sums[i], _mm256_add_ps(a[0], a[1]));
@@ -495,15 +574,14 @@ POSS_Q_AVX2 void rows8_micro(const QuantX& qx, int64_t m0, const uint8_t* w, int
 template <QFormat F>
 struct Avx2I8Kern {
   static constexpr bool kInt8 = true;
-  static constexpr int kMaxRows = 8;  // a block's quants serve up to 8 rows of x (a verify's)
-  // 4-bit formats, up to 4 rows of x: 8 weight rows at a time (rows8_micro; the last N % 8 rows one
-  // by one). Both passes give the same bits, so the choice by row count keeps a row's result whatever
-  // shares its call. q8_0 stays row by row: there rows8 measured slower (a pass over SmolLM2's shapes
-  // in q8_0, thread CPU time: 14.3 ms against 10.7 at 1 row of x, 38.5 against 36 at 8), its 32 quant
-  // bytes cost two transposes; at 8 rows of x and more the row-by-row pass was as fast or faster
-  // (bench/bench_qlinear.py --clock cpu: q4_1 at 8 rows 32-45 ms against 34-36, at 16 73-91 against 67-72).
-  static constexpr int kRows8MaxX = 4;
-  static constexpr int cols(int rows) { return F != QFormat::Q8_0 && rows <= kRows8MaxX ? 8 : 1; }
+  // q4_0 / q4_1: 8 weight rows at a time (rows8_micro; the last N % 8 rows one by one), a tile of up to
+  // 16 rows of x sharing the weight side (a tree verify's). q8_0: one weight row at a time, up to 8
+  // rows of x; there the 8-row pass measured slower (a pass over SmolLM2's shapes in q8_0, thread CPU
+  // time: 14.3 ms against 10.7 at 1 row of x, 38.5 against 36 at 8), its 32 quant bytes cost two
+  // transposes. Every pass gives the same bits, so the choice keeps a row's result whatever shares
+  // its call.
+  static constexpr int kMaxRows = F == QFormat::Q8_0 ? 8 : 16;
+  static constexpr int cols(int) { return F != QFormat::Q8_0 ? 8 : 1; }
 
   // Blocks g * 8 .. g * 8 + 7 (only the first `valid` exist when kFull is false) into acc[i].
   // The 8 blocks' quants are transposed by 4-byte words (t[j], lane k = quants 4j..4j+3 of block k),
@@ -732,6 +810,41 @@ struct Epilogue {
   }
 };
 
+#ifdef POSS_QX86
+POSS_Q_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+POSS_Q_AVX2 inline __m256 load8(const c10::BFloat16* p) {  // exact: bf16 is fp32's upper half
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// Epilogue::store of outputs n .. n + 7 of row m, 8 lanes at a time and the same bits: the same fp32
+// adds, and bf16's rounding as c10's (round half to even on the bits, NaN -> 0x7FC0). fp16 element
+// by element (c10's conversion). The 8-weight-row pass stores through it (element by element, a bf16
+// output took ~4 cycles).
+template <typename T>
+POSS_Q_AVX2 void store8(const Epilogue<T>& e, int64_t m, int64_t n, const float* s) {
+  if constexpr (std::is_same_v<T, c10::Half>) {
+    for (int j = 0; j < 8; ++j) e.store(m, n + j, s[j]);
+  } else {
+    __m256 v = _mm256_loadu_ps(s);
+    if (e.bias) v = _mm256_add_ps(v, load8(e.bias + n));
+    if (e.residual) v = _mm256_add_ps(v, load8(e.residual + m * e.N + n));
+    T* o = e.out + m * e.N + n;
+    if constexpr (std::is_same_v<T, float>) {
+      _mm256_storeu_ps(o, v);
+    } else {
+      const __m256i u = _mm256_castps_si256(v);
+      const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
+                                            _mm256_set1_epi32(0x7FFF));
+      __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+      r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+      const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);  // r <= 0xFFFF: no saturation
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm256_castsi256_si128(p));
+    }
+  }
+}
+#endif
+
 struct Pass {
   const float* x;  // [M, K] fp32
   int64_t K;
@@ -752,6 +865,12 @@ void row_group(const Pass& p, int64_t m0, int64_t n0, int64_t n1, const Epilogue
       Kern::template micro<MR, NR>(*p.qx, m0, p.w + n * p.row_bytes, p.row_bytes, p.nb, sums, maxbits);
     else
       Kern::template micro<MR, NR>(xr, p.K, p.w + n * p.row_bytes, p.row_bytes, p.nb, sums, maxbits);
+#ifdef POSS_QX86
+    if constexpr (NR == 8) {  // the AVX2 int8 kernel's 8 weight rows
+      for (int i = 0; i < MR; ++i) store8(e, m0 + i, n, sums[i]);
+      continue;
+    }
+#endif
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j) e.store(m0 + i, n + j, sums[i][j]);
   }
@@ -878,11 +997,11 @@ at::Tensor qlinear_typed(const at::Tensor& x, const at::Tensor& blocks, QFormat 
   const Epilogue<T> e{bias ? b.const_data_ptr<T>() : nullptr, residual ? r.const_data_ptr<T>() : nullptr,
                       out.mutable_data_ptr<T>(), N};
   const float* xf = fp32_rows(x2.const_data_ptr<T>(), M * K);
+  const std::string kernel = cpu_qlinear_kernel(x_int8);
   QuantX qx{};
-  if (x_int8) qx = quantize_rows(xf, M, K);
+  if (x_int8) qx = quantize_rows(xf, M, K, kernel == "avx2", f != QFormat::Q8_0 && kernel == "avx2");
   const Pass p{xf, K, x_int8 ? &qx : nullptr, w.const_data_ptr<uint8_t>(), w.size(1), K / kQBlock};
   std::atomic<uint32_t> maxbits{0};
-  const std::string kernel = cpu_qlinear_kernel(x_int8);
 #ifdef POSS_QX86
   if (kernel == "avx512") run_format<Avx512Kern>(f, p, M, N, e, maxbits);
   else if (kernel == "avx2" && x_int8) run_format<Avx2I8Kern>(f, p, M, N, e, maxbits);

@@ -129,7 +129,7 @@ def test_extreme_quants_do_not_saturate(kern, fmt, qbyte, qw, sign):
     integer sums at their largest (q8_0: pairs of 128 * 127 through the sign trick; 4-bit: 16 products
     per int16 before the madd) and exact, 32 * qw * q per block."""
     K = 64
-    x = torch.full((3, K), 127.0 * sign)
+    x = torch.full((17, K), 127.0 * sign)  # a tile of 16 rows of x and one more
     # 13 rows: a group of 8 (the 4-bit formats' 8-row AVX2 pass) and 5 one by one
     w = torch.full((13, K // 32, BYTES[fmt]), qbyte, dtype=torch.uint8)
     w[..., 0:2] = torch.tensor([1.0]).half().view(torch.uint8)
@@ -149,9 +149,10 @@ def test_extreme_quants_do_not_saturate(kern, fmt, qbyte, qw, sign):
 @pytest.mark.parametrize("N,K", [(8, 32), (16, 256), (24, 288), (29, 544), (64, 1504), (136, 576)])
 def test_weight_rows_in_groups_of_8_match_the_reference(kern, fmt, N, K):
     """N whole groups of 8 rows or not, K / 32 blocks a whole number of 8-block groups or not (the pass
-    adds block b into accumulator b % 8), at M = 1..64 rows: the reference's bits."""
+    adds block b into accumulator b % 8), at M = 1..20 rows (the 4-bit formats' tiles of up to 16 rows
+    of x, a full one and the rest) and 31..64: the reference's bits."""
     x, w, b, r = inputs(64, N, K, fmt, torch.bfloat16, N * 7 + K, bias=True, residual=True)
-    for M in (1, 2, 7, 8, 9, 17, 64):
+    for M in [*range(1, 21), 31, 32, 33, 64]:
         with kernel(kern):
             out = poss_ext.ops.qlinear(x[:M], w, fmt, b, r[:M], x_int8=True)
         assert torch.equal(bits(out), bits(reference.qlinear_int8(x[:M], w, fmt, b, r[:M]))), f"M = {M}"
@@ -161,10 +162,12 @@ def test_weight_rows_in_groups_of_8_match_the_reference(kern, fmt, N, K):
 @pytest.mark.parametrize("fmt,offset,what", [("q8_0", 0, "scale d"), ("q4_0", 0, "scale d"),
                                              ("q4_1", 0, "scale d"), ("q4_1", 2, "min m")])
 @pytest.mark.parametrize("row,block", [(0, 0), (11, 7), (15, 10), (16, 3)])
-def test_non_finite_scale_in_a_group_of_8_rows_is_an_error(kern, fmt, offset, what, row, block):
+@pytest.mark.parametrize("M", [3, 16, 19])
+def test_non_finite_scale_in_a_group_of_8_rows_is_an_error(kern, fmt, offset, what, row, block, M):
     """The 8-row pass checks the scales of all 8 lanes, in the whole 8-block groups and the last
-    partial one (11 blocks); row 16 is the last N % 8 = 1 row, run alone."""
-    x, w, _, _ = inputs(3, 17, 352, fmt, torch.float32, 4)
+    partial one (11 blocks), in one tile of rows of x or two; row 16 is the last N % 8 = 1 row, run
+    alone."""
+    x, w, _, _ = inputs(M, 17, 352, fmt, torch.float32, 4)
     at = block * BYTES[fmt] + offset
     w[row, at:at + 2] = torch.tensor([float("nan")]).half().view(torch.uint8)
     with kernel(kern), pytest.raises(RuntimeError, match=f"blocks: row {row}, block {block} has a non-finite {what}"):
@@ -221,8 +224,9 @@ def test_subnormal_scale_is_clamped_to_127(kern):
 
 @pytest.mark.parametrize("kern", KERNELS)
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
-def test_non_finite_x_makes_its_row_nan_only(kern, bad):
-    x, w, _, _ = inputs(3, 10, 64, "q4_1", torch.float32, 2)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_finite_x_makes_its_row_nan_only(kern, bad, dtype):
+    x, w, _, _ = inputs(3, 10, 64, "q4_1", dtype, 2)
     x[1, 40] = bad
     with kernel(kern):
         out = poss_ext.ops.qlinear(x, w, "q4_1", x_int8=True)
@@ -230,6 +234,23 @@ def test_non_finite_x_makes_its_row_nan_only(kern, bad):
     assert out[1].isnan().all()
     assert torch.equal(out[[0, 2]], rows)
     assert torch.equal(out.nan_to_num(7.0), reference.qlinear_int8(x, w, "q4_1").nan_to_num(7.0))
+
+
+@pytest.mark.skipif(len(KERNELS) < 2, reason="one int8 kernel only on this CPU")
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_nan_row_has_the_same_bits_on_every_kernel(fmt, dtype):
+    """A NaN row's outputs (8 weight rows at a time and the N % 8 rest), rounded to x's dtype, with
+    bias and residual: the AVX2 kernel's vector rounding gives the scalar kernel's bits, NaNs too."""
+    x, w, b, r = inputs(19, 21, 96, fmt, dtype, 5, bias=True, residual=True)
+    x[4, 50] = float("nan")
+    r[7, 3] = float("nan")
+    outs = []
+    for k in KERNELS:
+        with kernel(k):
+            outs.append(poss_ext.ops.qlinear(x, w, fmt, b, r, x_int8=True))
+    assert outs[0][4].isnan().all() and outs[0][7, 3].isnan()
+    assert torch.equal(bits(outs[0]), bits(outs[1]))
 
 
 def test_order_is_8_lanes_then_a_pairwise_tree():
