@@ -200,3 +200,23 @@ def test_a_max_batches_stop_on_an_epoch_boundary_still_validates_and_checkpoints
     # The stop on the last batch of the last epoch finishes the run: final validation and the saved draft.
     done = make_trainer(tmp_path / "b", n_train=4, batch_size=2, epochs=1, max_batches=2).fit()
     assert done["finished"] and (tmp_path / "b" / "draft" / "config.json").exists()
+
+
+def test_the_final_record_reuses_the_last_epochs_validation_and_scores_again_when_it_has_none(tmp_path, monkeypatch):
+    import poss.train.loop as loop
+
+    calls = []
+    real = loop.evaluate
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(loop, "evaluate", counted)
+    result = make_trainer(tmp_path / "a", n_train=4, batch_size=2, epochs=2, validate_every_epoch=True).fit()
+    lines = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    last_epoch = [x["val_epoch"]["val"] for x in lines if "val_epoch" in x][-1]
+    assert len(calls) == 2 and result["val"] == last_epoch  # one per epoch, none again at the end
+    calls.clear()
+    result = make_trainer(tmp_path / "b", n_train=4, batch_size=2, epochs=2).fit()
+    assert len(calls) == 1 and result["val"]["acc"]  # without epoch validations the end scores the draft
