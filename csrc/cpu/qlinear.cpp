@@ -189,6 +189,21 @@ inline V opaque(V v) {
   return v;
 }
 
+// A block's dx from its largest |x| bit pattern; d = dx and s = 0 set. Returns 0 (the quants zeroed)
+// when the block quantizes to zero: dx = 0, or non-finite (then d carries the NaN / inf into the row).
+inline float block_scale(uint32_t amax_bits, int8_t* q, float& d, int32_t& s) {
+  float amax;
+  std::memcpy(&amax, &amax_bits, sizeof amax);
+  const float dx = amax / 127.0f;
+  d = dx;
+  s = 0;
+  if (!(dx > 0.0f) || !std::isfinite(dx)) {
+    std::memset(q, 0, 32);
+    return 0.0f;
+  }
+  return dx;
+}
+
 inline void quantize_block(const float* x, int8_t* q, float& d, int32_t& s) {
   // amax as the largest |x| bit pattern: a NaN's pattern exceeds inf's, which exceeds every finite one.
   uint32_t amax_bits = 0;
@@ -197,15 +212,8 @@ inline void quantize_block(const float* x, int8_t* q, float& d, int32_t& s) {
     std::memcpy(&bits, x + l, sizeof bits);
     amax_bits = std::max(amax_bits, bits & 0x7FFFFFFFu);
   }
-  float amax;
-  std::memcpy(&amax, &amax_bits, sizeof amax);
-  const float dx = amax / 127.0f;
-  d = dx;
-  s = 0;
-  if (!(dx > 0.0f) || !std::isfinite(dx)) {
-    std::memset(q, 0, 32);
-    return;
-  }
+  const float dx = block_scale(amax_bits, q, d, s);
+  if (dx == 0.0f) return;
   for (int l = 0; l < 32; ++l) {
     // rint, not nearbyint: the same rounding (half to even), but inlined as one instruction where
     // nearbyint calls libm, which saves and restores the FP environment each time (35 us a row of 576).
@@ -232,16 +240,8 @@ POSS_Q_AVX2 inline void quantize_block_avx2(const float* x, int8_t* q, float& d,
   __m128i t = _mm_max_epu32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
   t = _mm_max_epu32(t, _mm_srli_si128(t, 8));
   t = _mm_max_epu32(t, _mm_srli_si128(t, 4));
-  const uint32_t amax_bits = static_cast<uint32_t>(_mm_cvtsi128_si32(t));
-  float amax;
-  std::memcpy(&amax, &amax_bits, sizeof amax);
-  const float dx = amax / 127.0f;
-  d = dx;
-  s = 0;
-  if (!(dx > 0.0f) || !std::isfinite(dx)) {
-    std::memset(q, 0, 32);
-    return;
-  }
+  const float dx = block_scale(static_cast<uint32_t>(_mm_cvtsi128_si32(t)), q, d, s);
+  if (dx == 0.0f) return;
   const __m256 dv = _mm256_set1_ps(dx), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
   __m256i r[4];
   for (int k = 0; k < 4; ++k) {
