@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-GROUPS = (("GEMM", ("poss::linear", "aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm")),
+GROUPS = (("GEMM", ("poss::linear", "poss::qlinear", "aten::mm", "aten::addmm", "aten::linear", "aten::matmul",
+                    "aten::bmm")),
           ("tree attention", ("poss::tree_attention",)),
           ("other poss ops", ("poss::",)))
 
@@ -63,7 +64,7 @@ def main(argv=None) -> int:
                     help="nodes/depth, or nodes/depth+K with a K-token prompt-lookup chain")
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--dtype", default="auto", help="a float dtype, auto, or gguf (the GGUF file's own blocks)")
     ap.add_argument("--out", default=None, help="also write the Markdown here")
     a = ap.parse_args(argv)
 
@@ -73,14 +74,16 @@ def main(argv=None) -> int:
     from poss.decode.params import TreeParams, tree_spec
 
     torch.set_num_threads(a.threads)
-    dtype = hardware.resolve_dtype(a.dtype)
     draft = a.draft or poss.shipped_draft(a.target)
-    gen = poss.load(a.target, draft=draft, dtype=dtype, tree=TreeParams())
+    gen = poss.load(a.target, draft=draft, dtype="gguf" if a.dtype == "gguf" else hardware.resolve_dtype(a.dtype),
+                    tree=TreeParams())
+    dtype = gen.runner.dtype
     gen.end_ids = set()
     prompt = gen.encode(load_eval_set("mt_bench")[0]["turns"][0])
     head = ("| tree | tau | tok/s | draft ms | verify ms | commit ms | host ms | round ms | "
             + " | ".join(f"{g} %" for g in [g for g, _ in GROUPS] + ["everything else"]) + " |")
-    lines = [f"{hardware.header(dtype, a.threads)}; draft `{Path(draft).name if draft else 'none'}`, batch 1, "
+    blocks = " on the GGUF blocks" if a.dtype == "gguf" else ""
+    lines = [f"{hardware.header(dtype, a.threads)}{blocks}; draft `{Path(draft).name if draft else 'none'}`, batch 1, "
              f"{a.new} new tokens, one MT-Bench prompt", "", head, "|" + "---|" * (head.count("|") - 1)]
     for spec in a.trees:
         tree = tree_spec(spec)
@@ -113,7 +116,7 @@ def tiny_gen():
 
 
 def test_group_of_sorts_ops_by_kind():
-    assert group_of("aten::addmm") == group_of("poss::linear") == "GEMM"
+    assert group_of("aten::addmm") == group_of("poss::linear") == group_of("poss::qlinear") == "GEMM"
     assert group_of("poss::tree_attention") == "tree attention"
     assert group_of("poss::kv_compact") == "other poss ops"
     assert group_of("aten::topk") == group_of("aten::mmx") == "everything else"
