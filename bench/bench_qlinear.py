@@ -12,6 +12,8 @@ prompt in turn (bench_e2e.interleaved), tokens/s.
     PYTHONPATH=.:python python bench/bench_qlinear.py --threads 1 --kernels avx512 avx2 --rows 1 8
     PYTHONPATH=.:python python bench/bench_qlinear.py --threads 1 --rows 1 8 --acts fp32 int8 --formats q4_1
     PYTHONPATH=.:python python bench/bench_qlinear.py --threads 1 --rows 1 8 --acts int8 --clock cpu
+    PYTHONPATH=.:python python bench/bench_qlinear.py --threads 1 --rows 1 2 4 8 --acts int8 --formats q4_1 q8_0 \\
+        --clock cpu --parts
     PYTHONPATH=.:python python bench/bench_qlinear.py --threads 1 --e2e --prompts 4 --new 64
 """
 
@@ -65,20 +67,24 @@ def time_pass(ws, fmt, rows, repeats=10, x_int8=False, clock=time.perf_counter):
     return best, sum(w.numel() * w.element_size() for w in ws) / best / 1e9
 
 
-def kernels_table(kernels, rows, formats, acts=("fp32", "int8"), clock=time.perf_counter):
-    print(f"{'format':8} {'kernel':10} " + " ".join(f"{'M=' + str(m):>18}" for m in rows))
+def kernels_table(kernels, rows, formats, acts=("fp32", "int8"), clock=time.perf_counter, parts=False):
+    """One line per format and kernel; ``parts``: the layers and the lm_head on lines of their own."""
+    print(f"{'format':8} {'kernel':10} " + ("part     " if parts else "")
+          + " ".join(f"{'M=' + str(m):>18}" for m in rows))
     for fmt in ["bf16"] + formats:
         ws = weights(fmt)
         runs = [("linear", False)] if fmt == "bf16" else [(k, a == "int8") for k in kernels for a in acts]
+        groups = [("layers  ", ws[:-1]), ("lm_head ", ws[-1:])] if parts else [("", ws)]
         for k, x_int8 in runs:
             if fmt != "bf16":
                 poss_ext.ops.force_cpu_qlinear_kernel(k)
                 k = poss_ext.ops.cpu_qlinear_kernel(x_int8) + ("-i8" if x_int8 else "")
-            cells = []
-            for m in rows:
-                s, gbs = time_pass(ws, fmt, m, x_int8=x_int8, clock=clock)
-                cells.append(f"{s * 1e3:7.2f} ms {gbs:5.1f} GB/s")
-            print(f"{fmt:8} {k:10} " + " ".join(f"{c:>18}" for c in cells))
+            for part, part_ws in groups:
+                cells = []
+                for m in rows:
+                    s, gbs = time_pass(part_ws, fmt, m, x_int8=x_int8, clock=clock)
+                    cells.append(f"{s * 1e3:7.2f} ms {gbs:5.1f} GB/s")
+                print(f"{fmt:8} {k:10} {part}" + " ".join(f"{c:>18}" for c in cells))
         poss_ext.ops.force_cpu_qlinear_kernel("")
 
 
@@ -116,6 +122,7 @@ def main():
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: this thread's CPU time (time.thread_time), which leaves out the time a shared "
                          "machine runs something else on the core; --threads 1 only")
+    ap.add_argument("--parts", action="store_true", help="time the layers and the lm_head apart")
     ap.add_argument("--e2e", action="store_true", help="our AR loop on SmolLM2-135M, bf16 vs gguf")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--new", type=int, default=64)
@@ -127,7 +134,8 @@ def main():
         if args.clock == "cpu" and args.threads != 1:
             ap.error("--clock cpu times this thread only: use it with --threads 1")
         clock = time.thread_time if args.clock == "cpu" else time.perf_counter
-        kernels_table(args.kernels or [poss_ext.ops.cpu_qlinear_kernel()], args.rows, args.formats, args.acts, clock)
+        kernels_table(args.kernels or [poss_ext.ops.cpu_qlinear_kernel()], args.rows, args.formats, args.acts, clock,
+                      args.parts)
 
 
 if __name__ == "__main__":
