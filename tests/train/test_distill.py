@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from helpers.loop import hf_greedy, make_generator, tiny_target
+import poss.train.distill as distill_mod
 from poss.train.distill import distill, is_english, load_examples, read_records, record_example, select_prompts
 from poss.train.features import FeatureCache
 from poss.train.loop import VAL_ID_OFFSET
@@ -51,9 +52,9 @@ def test_records_are_greedy_answers_with_their_features(model, tmp_path):
     gen = make_generator(model)
     gen.encode = encoder()
     convs = conversations(12)
-    meta = distill(gen, convs, tmp_path, n_train=6, n_val=2, batch_size=4, max_new_tokens=12, progress=False)
+    meta = distill(gen, convs, tmp_path, n_train=6, n_val=2, batch_size=3, max_new_tokens=12, progress=False)
     recs = read_records(tmp_path)
-    assert [r["key"] for r in recs] == [VAL_ID_OFFSET, VAL_ID_OFFSET + 1, 0, 1, 2, 3, 4, 5]
+    assert sorted(r["key"] for r in recs) == [0, 1, 2, 3, 4, 5, VAL_ID_OFFSET, VAL_ID_OFFSET + 1]
     assert meta["throughput"]["answer_tokens"] == sum(len(r["answer_ids"]) for r in recs)
     cache = FeatureCache(tmp_path / "features" / "rank0")
     for r in recs:
@@ -67,6 +68,33 @@ def test_records_are_greedy_answers_with_their_features(model, tmp_path):
         got = cache.get(r["key"]).float()
         assert got.shape == (len(ids), gen.runner.hidden_size)
         torch.testing.assert_close(got, f[0, : len(ids)].float(), atol=2e-3, rtol=2e-3)  # stored as fp16
+
+
+def test_answers_refill_finished_rows_with_the_next_prompt(model, monkeypatch):
+    """Continuous batching: a row whose answer ends takes the next prompt while the others run on, and
+    every answer is still the target's own greedy one (HF as the reference)."""
+    from poss.decode.engine import DecodeEngine
+
+    gen = make_generator(model)
+    prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(5 + i)] for i in range(6)]
+    refs = [hf_greedy(model, p, 10) for p in prompts]
+    gen.end_ids = {refs[0][2]}  # prompt 0 ends at its third token; the others end there or run to 10
+    want = [r[: r.index(refs[0][2]) + 1] if refs[0][2] in r else r for r in refs]
+    assert len(want[0]) == 3 and any(len(w) == 10 for w in want)
+    rows = []
+    real_step = DecodeEngine.step
+
+    def step(engine):
+        events = real_step(engine)
+        rows.append(sorted(r.index for r in engine.batch.requests) if engine.batch is not None else [])
+        return events
+
+    monkeypatch.setattr(DecodeEngine, "step", step)
+    got = dict(distill_mod.answers(gen, prompts, 10, batch_size=2))
+    assert {i: r.generated for i, r in got.items()} == dict(enumerate(want))
+    assert all(len(r) <= 2 for r in rows)
+    # prompt 2 joined while prompt 1 was still running: its row did not wait for a whole batch
+    assert any(1 in r and 2 in r for r in rows)
 
 
 def test_examples_mask_the_answer(model, tmp_path):
@@ -96,7 +124,16 @@ def test_an_answer_prefix_is_the_example_of_the_cut_answer():
     assert record_example(rec, max_len=4).input_ids.tolist() == [10, 11, 12, 20]
 
 
-def test_resume_skips_done_keys_and_refuses_another_recipe(model, tmp_path):
+def count_answered(monkeypatch):
+    """A list that gets, per distill call, how many prompts it sent to be answered."""
+    calls = []
+    real = distill_mod.answers
+    monkeypatch.setattr(distill_mod, "answers",
+                        lambda gen, prompts, *a, **kw: calls.append(len(prompts)) or real(gen, prompts, *a, **kw))
+    return calls
+
+
+def test_resume_skips_done_keys_and_refuses_another_recipe(model, tmp_path, monkeypatch):
     gen = make_generator(model)
     gen.encode = encoder()
     convs = conversations(12)
@@ -104,9 +141,7 @@ def test_resume_skips_done_keys_and_refuses_another_recipe(model, tmp_path):
     lines = (tmp_path / "records.jsonl").read_text().splitlines()
     # a kill mid-write: keep two whole records and half a line
     (tmp_path / "records.jsonl").write_text("\n".join(lines[:2]) + "\n" + lines[2][:10])
-    calls = []
-    real = gen.generate
-    gen.generate = lambda prompts, **kw: calls.append(len(prompts)) or real(prompts, **kw)
+    calls = count_answered(monkeypatch)
     distill(gen, convs, tmp_path, n_train=4, n_val=0, batch_size=2, max_new_tokens=6, progress=False)
     assert calls == [2]  # only the two lost records were redone
     keys = [r["key"] for r in read_records(tmp_path)]
@@ -115,15 +150,13 @@ def test_resume_skips_done_keys_and_refuses_another_recipe(model, tmp_path):
         distill(gen, convs, tmp_path, n_train=4, n_val=0, batch_size=2, max_new_tokens=7, progress=False)
 
 
-def test_more_prompts_extend_the_data_set_and_fewer_are_refused(model, tmp_path):
+def test_more_prompts_extend_the_data_set_and_fewer_are_refused(model, tmp_path, monkeypatch):
     gen = make_generator(model)
     gen.encode = encoder()
     convs = conversations(12)
     distill(gen, convs, tmp_path, n_train=3, n_val=1, batch_size=2, max_new_tokens=5, progress=False)
     first = {r["key"]: r for r in read_records(tmp_path)}
-    calls = []
-    real = gen.generate
-    gen.generate = lambda prompts, **kw: calls.append(len(prompts)) or real(prompts, **kw)
+    calls = count_answered(monkeypatch)
     meta = distill(gen, convs, tmp_path, n_train=6, n_val=1, batch_size=4, max_new_tokens=5, progress=False)
     assert calls == [3]  # only the three new training prompts
     recs = {r["key"]: r for r in read_records(tmp_path)}

@@ -1,9 +1,11 @@
 """``poss distill``: on-policy draft-training data, made by our own batched generation loop.
 
-The target answers ShareGPT first-turn prompts greedily, in batches, through :class:`Generator` with
-``keep_features`` on, so the same run yields
+The target answers ShareGPT first-turn prompts greedily through the continuous-batching
+:class:`~poss.decode.engine.DecodeEngine` (up to ``batch_size`` answers running; a finished row takes
+the next prompt at the next step, so neither a batch's longest answer nor its longest prompt holds the
+others back) with ``keep_features`` on, so the same run yields
 
-- ``records.jsonl``: one line per prompt, in selection order: ``{"key", "split", "source_index",
+- ``records.jsonl``: one line per prompt, in the order the answers finish: ``{"key", "split", "source_index",
   "prompt_ids", "answer_ids", "truncated"}``. Token ids are those generated (no decode / re-encode
   round trip); ``truncated`` marks answers cut by ``--max-new-tokens`` (no end token is invented);
 - ``features/rank0``: the target's features of every position (a :class:`FeatureCache`, fp16),
@@ -15,18 +17,19 @@ A training example is ``prompt + answer`` without its last token (whose feature 
 computes; the target's distribution at the position before still teaches it), with the loss on the
 answer. The held-out split is on-policy too, so its accuracy predicts tau.
 
-The run is resumable: batches are written whole (features flushed before their records), and a
-restart skips the keys already in ``records.jsonl``.
+The run is resumable: finished answers are written in groups (features flushed before their records),
+and a restart skips the keys already in ``records.jsonl``.
 """
 
 import json
 import random
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from poss.decode.batch import Request, check_request
 from poss.jsonl import open_for_append, read_jsonl
 from poss.train.data import Example
 from poss.train.features import VAL_ID_OFFSET, FeatureCache
@@ -145,27 +148,68 @@ def distill(gen, conversations, out, n_train: int, n_val: int = 100, batch_size:
     stats = meta.get("throughput", {"answer_tokens": 0, "seconds": 0.0})
     bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="distill", unit="prompt", disable=not progress,
                dynamic_ncols=True)
+    flush_every = max(1, batch_size // 4)  # a kill loses at most this many answers (and the running ones)
+    finished: List[tuple] = []
+
+    def write(f) -> None:
+        for (key, *_), request in finished:
+            cache.put(key, request.features)
+            stats["answer_tokens"] += len(request.generated)
+        cache.flush()  # features reach disk before the records that point at them
+        for (key, split, src, prompt), request in sorted(finished, key=lambda jr: jr[0][0]):
+            f.write(json.dumps({"key": key, "split": split, "source_index": src, "prompt_ids": prompt,
+                                "answer_ids": request.generated,
+                                "truncated": request.finish_reason == "length"}) + "\n")
+        f.flush()
+        stats["tokens_per_s"] = stats["answer_tokens"] / max(stats["seconds"], 1e-9)
+        meta_path.write_text(json.dumps({"recipe": recipe, "throughput": stats, "features_dtype": recipe["dtype"]},
+                                        indent=1))
+        bar.update(len(finished))
+        bar.set_postfix_str(f"{stats['tokens_per_s']:.0f} answer tok/s, {stats['answer_tokens']} tokens")
+        finished.clear()
+
     with open(out / "records.jsonl", "a") as f:
-        for s in range(0, len(todo), batch_size):
-            chunk = todo[s:s + batch_size]
-            t0 = time.perf_counter()
-            res = gen.generate([p for _, _, _, p in chunk], max_new_tokens=max_new_tokens)
-            stats["seconds"] += time.perf_counter() - t0
-            for (key, *_), answer, feats in zip(chunk, res.token_ids, res.features):
-                cache.put(key, feats)
-                stats["answer_tokens"] += len(answer)
-            cache.flush()  # features reach disk before the records that point at them
-            for (key, split, src, prompt), answer, st in zip(chunk, res.token_ids, res.stats):
-                f.write(json.dumps({"key": key, "split": split, "source_index": src, "prompt_ids": prompt,
-                                    "answer_ids": answer, "truncated": st.finish_reason == "length"}) + "\n")
-            f.flush()
-            stats["tokens_per_s"] = stats["answer_tokens"] / max(stats["seconds"], 1e-9)
-            meta = {"recipe": recipe, "throughput": stats, "features_dtype": recipe["dtype"]}
-            meta_path.write_text(json.dumps(meta, indent=1))
-            bar.update(len(chunk))
-            bar.set_postfix_str(f"{stats['tokens_per_s']:.0f} answer tok/s, {stats['answer_tokens']} tokens")
+        t0 = time.perf_counter()
+        for i, request in answers(gen, [p for *_, p in todo], max_new_tokens, batch_size):
+            finished.append((todo[i], request))
+            if len(finished) >= flush_every:
+                stats["seconds"] += time.perf_counter() - t0
+                write(f)
+                t0 = time.perf_counter()
+        stats["seconds"] += time.perf_counter() - t0
+        if finished:
+            write(f)
     bar.close()
-    return meta
+    return read_meta(out) if meta_path.exists() else {"recipe": recipe, "throughput": stats,
+                                                      "features_dtype": recipe["dtype"]}
+
+
+def answers(gen, prompts: Sequence[List[int]], max_new_tokens: int, batch_size: int) -> Iterator[Tuple[int, Request]]:
+    """``gen``'s greedy answers to ``prompts`` as they finish: ``(i, request)`` with ``prompts[i]``'s
+    finished :class:`~poss.decode.batch.Request` (``generated`` ids, ``finish_reason``, and its
+    ``features`` ``[P + n - 1, H]`` when ``gen.keep_features``).
+
+    Continuous batching: up to ``batch_size`` requests run, admitted in order; a request that ends
+    leaves its row at the next step and the next prompt takes it. Every greedy row is what it is alone
+    (the engine's batch invariance), so the answers do not depend on ``batch_size`` or on which
+    prompts run beside them."""
+    from poss.decode.engine import DecodeEngine
+    from poss.decode.params import TreeParams
+
+    engine = DecodeEngine(gen, TreeParams(), max_batch=batch_size)
+    running: Dict[int, Request] = {}
+    vocab = gen.runner.embed.shape[0]
+    nxt = 0
+    while nxt < len(prompts) or engine.has_work():
+        while nxt < len(prompts) and engine.active + engine.pending < batch_size:
+            prompt = list(prompts[nxt])
+            check_request(prompt, max_new_tokens, vocab, gen.context_limit, f"prompt {nxt}")
+            running[nxt] = Request(nxt, prompt, max_new_tokens)
+            engine.submit(running[nxt])
+            nxt += 1
+        for event in engine.step():
+            if event.finished:
+                yield event.id, running.pop(event.id)
 
 
 def read_meta(out) -> dict:
