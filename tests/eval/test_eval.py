@@ -305,3 +305,21 @@ def test_merge_two_runs_and_a_question_range(tiny_folder, tmp_path):
         f.write(json.dumps({"method": "ar", "dataset": "qa", "question_id": "nope", "turns": []}) + "\n")
     with pytest.raises(ValueError, match="question 'nope'"):
         em.merge([tmp_path / "a", tmp_path / "b"], tmp_path / "bad", questions=(0, 2))
+
+
+def test_question_range_covers_every_packaged_set_and_refuses_a_custom_one(tmp_path):
+    """``--questions`` cuts the extra packaged sets too (humaneval164), and a set it cannot place is an
+    error naming it, never a silently empty report."""
+    from poss.data.eval_sets import EXTRA_SETS, load_eval_set
+    from poss.eval import merge as em
+
+    for name in EXTRA_SETS:
+        pos = em.question_positions(name)
+        assert pos is not None and sorted(pos.values()) == list(range(len(load_eval_set(name))))
+    run = tmp_path / "custom"
+    run.mkdir()
+    (run / "results.json").write_text(json.dumps({"settings": {"depth": 2}, "machine": {"threads": 1}}))
+    (run / "records.jsonl").write_text(json.dumps({"method": "ar", "dataset": "my_set", "question_id": 0,
+                                                   "turns": []}) + "\n")
+    with pytest.raises(ValueError, match="'my_set', not a packaged set"):
+        em.merge([run], tmp_path / "out", questions=(0, 1))

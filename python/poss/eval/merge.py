@@ -18,9 +18,9 @@ PathLike = Union[str, Path]
 
 def question_positions(dataset: str) -> Optional[Dict[str, int]]:
     """question_id -> position in the packaged set (None for a custom set)."""
-    from poss.data.eval_sets import EVAL_SETS, load_eval_set
+    from poss.data.eval_sets import EVAL_SETS, EXTRA_SETS, load_eval_set
 
-    if dataset not in EVAL_SETS:
+    if dataset not in EVAL_SETS + EXTRA_SETS:
         return None
     return {r["question_id"]: i for i, r in enumerate(load_eval_set(dataset))}
 
@@ -54,7 +54,10 @@ def merge(inputs: Sequence[PathLike], out: PathLike, questions: Optional[Tuple[i
                 if pos is not None and r["question_id"] not in pos:
                     raise ValueError(f"{d} has question {r['question_id']!r}, which the packaged {r['dataset']} "
                                      "set does not hold")
-                if pos is None or not questions[0] <= pos[r["question_id"]] < questions[1]:
+                if pos is None:
+                    raise ValueError(f"{d} holds questions of {r['dataset']!r}, not a packaged set: --questions "
+                                     "picks by position in a packaged set, so it cannot cut this one")
+                if not questions[0] <= pos[r["question_id"]] < questions[1]:
                     continue
             key = (r["method"], r["dataset"], r["question_id"])
             kept.pop(key, None)  # the replacement goes to the end, where it was read
