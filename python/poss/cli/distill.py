@@ -23,7 +23,8 @@ def add_parser(sub):
     p.add_argument("--prompts", type=int_at_least(1), default=4000, help="training prompts")
     p.add_argument("--val-prompts", type=int_at_least(0), default=100, help="held-out prompts (answered first)")
     p.add_argument("--out", required=True, help="data folder: records.jsonl, features/, meta.json")
-    p.add_argument("--batch-size", type=int_at_least(1), default=32, help="prompts answered together")
+    p.add_argument("--batch-size", type=int_at_least(1), default=32,
+                   help="answers decoded together (continuous batching: a finished row takes the next prompt)")
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=384, help="answer length at most")
     p.add_argument("--max-prompt-tokens", type=int_at_least(1), default=384, help="longer prompts are skipped")
     p.add_argument("--seed", type=int, default=0, help="prompt selection seed")
