@@ -2,8 +2,9 @@
 
 The target answers ShareGPT first-turn prompts greedily through the continuous-batching
 :class:`~poss.decode.engine.DecodeEngine` (up to ``batch_size`` answers running; a finished row takes
-the next prompt at the next step, so neither a batch's longest answer nor its longest prompt holds the
-others back) with ``keep_features`` on, so the same run yields
+the next prompt at the next step, so a batch's longest answer no longer holds the others back; the
+prompts admitted at one step share one prefill, padded to the longest of them) with ``keep_features``
+on, so the same run yields
 
 - ``records.jsonl``: one line per prompt, in the order the answers finish: ``{"key", "split", "source_index",
   "prompt_ids", "answer_ids", "truncated"}``. Token ids are those generated (no decode / re-encode
