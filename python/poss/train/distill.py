@@ -181,8 +181,7 @@ def distill(gen, conversations, out, n_train: int, n_val: int = 100, batch_size:
         if finished:
             write(f)
     bar.close()
-    return read_meta(out) if meta_path.exists() else {"recipe": recipe, "throughput": stats,
-                                                      "features_dtype": recipe["dtype"]}
+    return read_meta(out) or {"recipe": recipe, "throughput": stats, "features_dtype": recipe["dtype"]}
 
 
 def answers(gen, prompts: Sequence[List[int]], max_new_tokens: int, batch_size: int) -> Iterator[Tuple[int, Request]]:
