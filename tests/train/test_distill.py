@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from helpers.loop import hf_greedy, make_generator, tiny_target
 import poss.train.distill as distill_mod
+from helpers.loop import hf_greedy, make_generator, tiny_target
 from poss.train.distill import distill, is_english, load_examples, read_records, record_example, select_prompts
 from poss.train.features import FeatureCache
 from poss.train.loop import VAL_ID_OFFSET
