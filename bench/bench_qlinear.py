@@ -28,6 +28,7 @@ import poss_ext
 LAYERS, H, F, V = 30, 576, 1536, 49152
 SHAPES = [(960, H), (H, H), (2 * F, H), (H, F)]  # one layer's fused projections, [N, K]
 GGML = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
+INTERLEAVED = ("q8_0x8", "q4_0x8", "q4_1x8")  # the 4-bit blocks with rows interleaved by 8, as the loader keeps them
 
 
 def weights(fmt: str):
@@ -40,7 +41,10 @@ def weights(fmt: str):
     if fmt == "bf16":
         ts = [torch.from_numpy(w).bfloat16() for w in one]
     else:
-        ts = [torch.from_numpy(gguf.quants.quantize(w, GGMLQuantizationType[GGML[fmt]])) for w in one]
+        base = fmt.removesuffix("x8")
+        ts = [torch.from_numpy(gguf.quants.quantize(w, GGMLQuantizationType[GGML[base]])) for w in one]
+        if base != fmt:
+            ts = [poss_ext.ops.interleave_rows8(t, base) for t in ts]
     # distinct copies per layer, so a pass streams from memory as a decode step does
     return [t.clone() for _ in range(LAYERS) for t in ts[:4]] + [ts[4]]
 
@@ -115,7 +119,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 5, 8, 16])
-    ap.add_argument("--formats", nargs="*", default=list(GGML))
+    ap.add_argument("--formats", nargs="*", default=list(GGML), choices=[*GGML, *INTERLEAVED])
     ap.add_argument("--kernels", nargs="*", default=None, help="qlinear kernels (default: the best only)")
     ap.add_argument("--acts", nargs="*", default=["fp32", "int8"], choices=["fp32", "int8"],
                     help="qlinear activations: fp32 (x_int8=False) and / or int8 (x_int8=True)")

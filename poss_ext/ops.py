@@ -256,9 +256,48 @@ def cpu_linear_kernel(dtype: torch.dtype = torch.bfloat16) -> str:
 
 # ---- Linear with GGUF block weights ----------------------------------------------------------
 
-# Bytes of one block of 32 weights in each format poss::qlinear reads (csrc/include/poss/qlinear_args.h).
-QFORMAT_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+# Bytes of one block of 32 weights in each format poss::qlinear reads (csrc/include/poss/qlinear_args.h);
+# "x8": the same blocks with rows interleaved by 8 (:func:`interleave_rows8`).
+QFORMAT_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q8_0x8": 34, "q4_0x8": 18, "q4_1x8": 20}
 QBLOCK = 32
+
+
+def interleave_rows8(blocks: Tensor, format: str) -> Tensor:
+    """``blocks [N, K / 32 * B] uint8`` in ``format`` ("q8_0", "q4_0" or "q4_1", N a multiple of 8) ->
+    the same bytes with rows interleaved by 8, format ``format + "x8"`` (csrc/include/poss/qlinear_args.h):
+    per group of 8 rows and block, the 8 rows' d (q4_1: then their m), then their quants as 4-byte
+    words, word j of row k at ``32 j + 4 k``. The int8 kernels then load 8 rows' scales and each word as one
+    vector (no transpose) and read one stream. Returns a new contiguous tensor of the same shape."""
+    if format not in ("q8_0", "q4_0", "q4_1"):
+        raise ValueError(f"format must be 'q8_0', 'q4_0' or 'q4_1' to interleave rows by 8, got {format!r}")
+    B = QFORMAT_BLOCK_BYTES[format]
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % B:
+        raise ValueError(f"blocks must be [N, K / 32 * {B}] uint8, got {blocks.dtype} {tuple(blocks.shape)}")
+    N = blocks.shape[0]
+    if N % 8:
+        raise ValueError(f"blocks.shape[0] (N) must be a multiple of 8 to interleave rows by 8, got {N}")
+    scales = 2 if format == "q4_1" else 1
+    b = blocks.reshape(N // 8, 8, -1, B).transpose(1, 2)  # [group, block, row of 8, B]
+    fields = [b[..., 2 * s:2 * s + 2].flatten(-2) for s in range(scales)]  # [group, block, 16] each
+    words = b[..., 2 * scales:].unflatten(-1, (-1, 4)).transpose(-3, -2).flatten(-3)  # [group, block, 8 * quants]
+    return torch.cat(fields + [words], dim=-1).reshape(N, -1).contiguous()
+
+
+def deinterleave_rows8(blocks: Tensor, format: str) -> Tensor:
+    """:func:`interleave_rows8` undone: ``blocks`` with rows interleaved by 8 in ``format`` ("q8_0",
+    "q4_0" or "q4_1", the file's format) -> the file's layout, a new contiguous tensor."""
+    if format not in ("q8_0", "q4_0", "q4_1"):
+        raise ValueError(f"format must be 'q8_0', 'q4_0' or 'q4_1', got {format!r}")
+    B = QFORMAT_BLOCK_BYTES[format]
+    N = blocks.shape[0]
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % B or N % 8:
+        raise ValueError(f"blocks must be [N, K / 32 * {B}] uint8 with N a multiple of 8, got {blocks.dtype} "
+                         f"{tuple(blocks.shape)}")
+    scales = 2 if format == "q4_1" else 1
+    rec = blocks.reshape(N // 8, -1, 8 * B)  # [group, block, record]
+    fields = [rec[..., 16 * s:16 * s + 16].unflatten(-1, (8, 2)) for s in range(scales)]  # [g, b, row, 2]
+    words = rec[..., 16 * scales:].unflatten(-1, (-1, 8, 4)).transpose(-3, -2).flatten(-2)  # [g, b, row, quants]
+    return torch.cat(fields + [words], dim=-1).transpose(1, 2).reshape(N, -1).contiguous()
 
 
 def qlinear(x: Tensor, blocks: Tensor, format: str, bias: Optional[Tensor] = None,
@@ -272,7 +311,8 @@ def qlinear(x: Tensor, blocks: Tensor, format: str, bias: Optional[Tensor] = Non
             ``"q8_0"``: fp16 d, 32 int8 q, ``w = q * d``; ``"q4_0"``: fp16 d, 16 bytes of nibbles,
             ``w = (q - 8) * d``; ``"q4_1"``: fp16 d, fp16 m, 16 bytes of nibbles, ``w = q * d + m``.
             Byte j of the nibbles holds weight j (low nibble) and weight j + 16 (high nibble).
-        format: ``"q8_0"``, ``"q4_0"`` or ``"q4_1"``.
+        format: ``"q8_0"``, ``"q4_0"`` or ``"q4_1"``; with ``"x8"`` (``"q4_1x8"``...): those blocks
+            with rows interleaved by 8 (:func:`interleave_rows8`, N a multiple of 8), the same result.
         bias: ``[N]`` or None; residual: ``[..., N]`` or None; x's dtype.
         x_int8: False: x as fp32. True: x quantized per row and block of 32 to int8 with one fp32
             scale ``dx = amax / 127`` per block (``q = round-half-even(x / dx)``), each block's dot
@@ -294,6 +334,8 @@ def _qlinear_fake(x, blocks, format, bias=None, residual=None, x_int8=False):
     torch._check(format in QFORMAT_BLOCK_BYTES, lambda: f"format must be one of {list(QFORMAT_BLOCK_BYTES)}")
     torch._check(blocks.dim() == 2 and blocks.shape[1] * QBLOCK == x.shape[-1] * QFORMAT_BLOCK_BYTES[format],
                  lambda: "blocks must be [N, K / 32 * block bytes]")
+    torch._check(not format.endswith("x8") or blocks.shape[0] % 8 == 0,
+                 lambda: "blocks.size(0) (N) must be a multiple of 8 in a format with rows interleaved by 8")
     return x.new_empty((*x.shape[:-1], blocks.shape[0]))
 
 
@@ -312,15 +354,18 @@ def cpu_qlinear_kernel(x_int8: bool = False) -> str:
     """The kernel :func:`qlinear` runs on this CPU: ``"avx512"`` (AVX512F + BW + VL), ``"avx2"``
     (AVX2 + FMA + F16C) or ``"scalar"``; all give the same bits. ``POSS_QLINEAR`` (read once, when
     poss_ext loads) picks one, as :func:`force_cpu_qlinear_kernel` does later. ``x_int8``: the kernel
-    of the int8-activation path, ``"avx2"`` or ``"scalar"`` (an AVX512 CPU runs the AVX2 one)."""
+    of the int8-activation path, ``"avx512vnni"`` (AVX512-VNNI + VL), ``"avx2"`` or ``"scalar"`` (an
+    AVX512 CPU without VNNI runs the AVX2 one)."""
     from poss_ext import _C
 
     return _C.cpu_qlinear_kernel(x_int8)
 
 
 def force_cpu_qlinear_kernel(name: str = "") -> None:
-    """Run :func:`qlinear` with kernel ``name`` (``"avx512"``, ``"avx2"``, ``"scalar"``) from now on;
-    ``""`` goes back to the best this CPU has. A kernel this CPU cannot run is a RuntimeError."""
+    """Run :func:`qlinear` with kernel ``name`` (``"avx512vnni"``, ``"avx512"``, ``"avx2"``,
+    ``"scalar"``) from now on; ``""`` goes back to the best this CPU has. ``"avx512vnni"`` runs the
+    AVX512 kernel for fp32 activations; ``"avx512"`` the AVX2 one for int8. A kernel this CPU cannot
+    run is a RuntimeError."""
     from poss_ext import _C
 
     _C.force_cpu_qlinear_kernel(name)

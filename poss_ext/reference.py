@@ -262,7 +262,30 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, residual: O
     return y.to(x.dtype)
 
 
-QFORMAT_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+QFORMAT_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q8_0x8": 34, "q4_0x8": 18, "q4_1x8": 20}
+
+
+def plain_rows(blocks: Tensor, format: str) -> Tuple[Tensor, str]:
+    """Blocks in ``format`` -> the same weight in the file's layout and its format: a format with rows
+    interleaved by 8 (``"q8_0x8"``, ``"q4_1x8"``...; csrc/include/poss/qlinear_args.h) unpacked field by
+    field, any other as it is."""
+    if not format.endswith("x8"):
+        return blocks, format
+    base = format[:-2]
+    B = QFORMAT_BLOCK_BYTES[base]
+    scales = 2 if base == "q4_1" else 1
+    N = blocks.shape[0]
+    nb = blocks.shape[1] // B
+    out = torch.empty_like(blocks).reshape(N, nb, B)
+    rec = blocks.reshape(N // 8, nb, 8 * B)  # group, block, the group's record of that block
+    for k in range(8):
+        rows = out[k::8]  # row 8g + k of every group g
+        for s in range(scales):  # d, then q4_1's m: the 8 rows' fp16 one after another
+            rows[..., 2 * s:2 * s + 2] = rec[..., 16 * s + 2 * k:16 * s + 2 * k + 2]
+        for j in range((B - 2 * scales) // 4):  # quant word j of row k
+            at = 16 * scales + 32 * j + 4 * k
+            rows[..., 2 * scales + 4 * j:2 * scales + 4 * j + 4] = rec[..., at:at + 4]
+    return out.reshape(N, nb * B), base
 
 
 def dequantize(blocks: Tensor, format: str) -> Tensor:
@@ -270,8 +293,10 @@ def dequantize(blocks: Tensor, format: str) -> Tensor:
 
     A block is ``fp16 d`` (q8_0, q4_0) or ``fp16 d, fp16 m`` (q4_1), then its quants: 32 int8
     (``w = q * d``) or 16 bytes whose low nibbles are weights 0..15 and high nibbles 16..31
-    (q4_0: ``w = (q - 8) * d``; q4_1: ``w = q * d + m``, one fp32 rounding).
+    (q4_0: ``w = (q - 8) * d``; q4_1: ``w = q * d + m``, one fp32 rounding). Rows interleaved by 8:
+    see :func:`plain_rows`.
     """
+    blocks, format = plain_rows(blocks, format)
     N = blocks.shape[0]
     b = blocks.reshape(N, -1, QFORMAT_BLOCK_BYTES[format])
     d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, nb, 1]
@@ -317,6 +342,7 @@ def qlinear_int8(x: Tensor, blocks: Tensor, format: str, bias: Optional[Tensor] 
     q4_1), the block's value in fp32 ``(dw * dx) * isum`` (q4_1: ``+ (m * dx) * sum(q_x)``), each
     operation rounded; lane ``b % 8`` adds block b's value in block order; lanes summed l + 4, l + 2,
     l + 1; + bias, + residual in fp32; one rounding to x's dtype. Shapes as :func:`qlinear`."""
+    blocks, format = plain_rows(blocks, format)
     N, K = blocks.shape[0], x.shape[-1]
     nb = K // 32
     lead = x.shape[:-1]

@@ -74,6 +74,7 @@
 #define POSS_QX86 1
 #define POSS_Q_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
 #define POSS_Q_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define POSS_Q_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
 #endif
 
 namespace poss {
@@ -103,6 +104,24 @@ constexpr uint32_t kNonFiniteHalf = 0x7C00u;
 
 template <QFormat F>
 constexpr int64_t block_bytes() { return F == QFormat::Q8_0 ? 34 : F == QFormat::Q4_0 ? 18 : 20; }
+
+// `groups` groups of 8 rows interleaved by 8 (qlinear_args.h), of nb blocks each, in the plain layout.
+template <QFormat F>
+void unpack_rows8(const uint8_t* src, int64_t groups, int64_t nb, uint8_t* dst) {
+  constexpr int64_t bb = block_bytes<F>();
+  constexpr int nscales = F == QFormat::Q4_1 ? 2 : 1;
+  constexpr int nwords = F == QFormat::Q8_0 ? 8 : 4;
+  const int64_t rb = nb * bb;
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* rec = src + g * 8 * rb + b * 8 * bb;
+      for (int k = 0; k < 8; ++k) {
+        uint8_t* blk = dst + (g * 8 + k) * rb + b * bb;
+        for (int s = 0; s < nscales; ++s) std::memcpy(blk + 2 * s, rec + 16 * s + 2 * k, 2);
+        for (int j = 0; j < nwords; ++j) std::memcpy(blk + 2 * nscales + 4 * j, rec + 16 * nscales + 32 * j + 4 * k, 4);
+      }
+    }
+}
 
 // ---- scalar: the reference order, in plain C++ ----
 
@@ -137,6 +156,7 @@ inline float reduce32(float* a) {
 template <QFormat F>
 struct ScalarKern {
   static constexpr bool kInt8 = false;
+  static constexpr bool kRows8 = false;  // reads rows interleaved by 8 (else the driver unpacks them)
   static constexpr int kMaxRows = 1;
   static constexpr int cols(int) { return 1; }
   template <int MR, int NR>
@@ -339,11 +359,12 @@ inline float reduce8(float* a) {
 template <QFormat F>
 struct ScalarI8Kern {
   static constexpr bool kInt8 = true;
+  static constexpr bool kRows8 = false;
   static constexpr int kMaxRows = 1;
   static constexpr int cols(int) { return 1; }
   template <int MR, int NR>
   static void micro(const QuantX& qx, int64_t m0, const uint8_t* w, int64_t, int64_t nb, float sums[MR][8],
-                    uint32_t& maxbits) {
+                    uint32_t& maxbits, bool) {
     static_assert(MR == 1 && NR == 1, "the scalar kernel computes one element at a time");
     const int8_t* q = qx.q + m0 * qx.nbp * kQBlock;
     const float* dx = qx.d + m0 * qx.nbp;
@@ -396,6 +417,7 @@ template <QFormat F>
 struct Avx2Kern {
   // MR x NR x 4 accumulators + the chunk, its scale (and min) and an x vector in 16 registers.
   static constexpr bool kInt8 = false;
+  static constexpr bool kRows8 = false;
   static constexpr int kMaxRows = 3;
   static constexpr int cols(int rows) { return rows == 1 ? 2 : 1; }
 
@@ -459,23 +481,10 @@ POSS_Q_AVX2 inline __m256i avx2_wq(const uint8_t* blk) {
   }
 }
 
-// -- 8 weight rows per pass: vector lane k = weight row k --
-//
-// Row by row (Avx2I8Kern::group below), a block's quants are transposed across 8 blocks of one row
-// at every call and its scales gathered 2 bytes at a time. Here a pass takes block b of 8 consecutive
-// weight rows at once: lane k of every vector is row k, so the scales are 8 rows' (one 32-bit load
-// each) and the integer sums come out one row per lane; x's 4-byte words are broadcast. The weight
-// side of a block (scales, transpose, nibbles: ~24 cycles) is done once for a tile of up to 16 rows
-// of x; each row of x then costs its 8 broadcasts, 8 maddubs, 7 int16 adds, one madd and the fp32
-// steps (~10 cycles a block of 8 weight rows on Zen 3). x is read block-major (QuantX::bq), so the
-// tile's rows sit at fixed offsets from one pointer; the 8 accumulators of each row (block b into
-// b % 8) live in a small buffer, one add a block. Each row's fp32 operations are the ones of the
-// scalar order (8 accumulators, then the tree), done for 8 weight rows side by side: the same bits,
-// whatever the rows of x, the tile or the kernel. Without the prefetch below a pass took ~20 ms (the
-// 8 interleaved row streams defeat the hardware prefetcher).
+// -- 8 weight rows per pass: vector lane k = weight row k (qlinear_rows8.inc) --
 
 // 16 bytes at p + k * rb of rows k = 0..7 as 4 vectors: P[j] lane k = bytes 4j..4j+3 of row k.
-POSS_Q_AVX2 inline void transpose8x4(const uint8_t* p, int64_t rb, __m256i (&P)[4]) {
+POSS_Q_AVX2 inline void transpose8x4(const uint8_t* p, int64_t rb, __m256i* P) {
   const auto rows = [&](int k) POSS_Q_AVX2 {  // rows k and k + 4, one per 128-bit half
     return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k * rb))),
                                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (k + 4) * rb)), 1);
@@ -489,91 +498,26 @@ POSS_Q_AVX2 inline void transpose8x4(const uint8_t* p, int64_t rb, __m256i (&P)[
   P[3] = _mm256_unpackhi_epi64(a1, a3);
 }
 
-// MR rows of x from m0 against weight rows 0..7 at w (row stride rb): sums[i][k] = row m0 + i's dot
-// with weight row k.
-template <QFormat F, int MR>
-POSS_Q_AVX2 void rows8_micro(const QuantX& qx, int64_t m0, const uint8_t* w, int64_t rb, int64_t nb,
-                             float sums[MR][8], uint32_t& maxbits) {
-  static_assert(F != QFormat::Q8_0, "the 4-bit formats only (q8_0 runs row by row)");
-  constexpr int64_t bb = block_bytes<F>();
-  alignas(32) float accbuf[8][MR][8];  // [b % 8][row of x][weight row]
-  for (int r = 0; r < 8; ++r)
-    for (int i = 0; i < MR; ++i) _mm256_store_ps(accbuf[r][i], _mm256_setzero_ps());
-  __m256i top = _mm256_setzero_si256();
-  const int64_t M = qx.M;
-  const int32_t* xq = qx.bq + m0 * 8;
-  const float* xd = qx.bd + m0;
-  const float* xs = qx.bsf + m0;
-  const int32_t* x8 = qx.bs8 + m0;
-  const __m256i nib = _mm256_set1_epi8(15);
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t b = 0; b < nb; ++b, xq += M * 8, xd += M, xs += M, x8 += M) {
-    const uint8_t* blk = w + b * bb;
-    // This block's share of the next 8 rows (one contiguous span): by the end of the pass, all of it.
-    // T0, one group ahead: ~7 ms a pass where NTA one group ahead took ~11 and no prefetch ~20.
-    const char* ahead = reinterpret_cast<const char*>(w) + 8 * rb + b * 8 * bb;
-#pragma GCC unroll 4
-    for (int c = 0; c < 8 * bb; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
-    // The 8 rows' first 4 bytes (d, and q4_1's m; q4_0: d and 2 quant bytes, masked off below).
-    uint32_t dm[8];
-#pragma GCC unroll 8
-    for (int k = 0; k < 8; ++k) std::memcpy(&dm[k], blk + k * rb, 4);
-    const __m256i dmv = _mm256_setr_epi32(dm[0], dm[1], dm[2], dm[3], dm[4], dm[5], dm[6], dm[7]);
-    top = _mm256_max_epu16(top, _mm256_and_si256(dmv, _mm256_set1_epi32(F == QFormat::Q4_1 ? 0x7FFF7FFF : 0x7FFF)));
-    // The low halves (d) into the lower 128 bits, the high halves (m) into the upper.
-    const __m256i split = _mm256_permute4x64_epi64(
-        _mm256_shuffle_epi8(dmv, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8,
-                                                  9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15)),
-        0xD8);
-    const __m256 dw = _mm256_cvtph_ps(_mm256_castsi256_si128(split));
-    const __m256 mw = F == QFormat::Q4_1 ? _mm256_cvtph_ps(_mm256_extracti128_si256(split, 1)) : dw;
-    // t[j] lane k: row k's quants 4j..4j+3, 0..15. A byte holds weight l (low nibble) and l + 16
-    // (high): word j of the 16 bytes gives quants 4j.. and 16 + 4j.. (one AND, one shift + AND).
-    __m256i P[4], t[8];
-    transpose8x4(blk + (F == QFormat::Q4_0 ? 2 : 4), rb, P);
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      t[j] = _mm256_and_si256(P[j], nib);
-      t[j + 4] = _mm256_and_si256(_mm256_srli_epi16(P[j], 4), nib);
-    }
-    float(*acc)[8] = accbuf[b & 7];
-#pragma GCC unroll 16
-    for (int i = 0; i < MR; ++i) {
-      const int32_t* xw = xq + i * 8;
-      const auto xj = [&](int j) POSS_Q_AVX2 { return _mm256_set1_epi32(xw[j]); };  // x's word j in every lane
-      // qw in [0, 15], |q| <= 127: a maddubs int16 is 2 products (<= 3810, no saturation), and the
-      // sum over the 8 words 16 products, <= 16 * 15 * 127 = 30480 < 32767: exact in int16.
-      const __m256i s0 = _mm256_add_epi16(_mm256_maddubs_epi16(t[0], xj(0)), _mm256_maddubs_epi16(t[1], xj(1)));
-      const __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(t[2], xj(2)), _mm256_maddubs_epi16(t[3], xj(3)));
-      const __m256i s2 = _mm256_add_epi16(_mm256_maddubs_epi16(t[4], xj(4)), _mm256_maddubs_epi16(t[5], xj(5)));
-      const __m256i s3 = _mm256_add_epi16(_mm256_maddubs_epi16(t[6], xj(6)), _mm256_maddubs_epi16(t[7], xj(7)));
-      __m256i isum = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(s0, s1), _mm256_add_epi16(s2, s3)), ones);
-      if constexpr (F == QFormat::Q4_0)  // - 8 sx, exact (|8 sx| <= 32512)
-        isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(x8[i]));
-      const __m256 dx = _mm256_broadcast_ss(xd + i);
-      __m256 v = opaque(_mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum)));
-      if constexpr (F == QFormat::Q4_1)
-        v = _mm256_add_ps(v, opaque(_mm256_mul_ps(_mm256_mul_ps(mw, dx), _mm256_broadcast_ss(xs + i))));
-      _mm256_store_ps(acc[i], _mm256_add_ps(_mm256_load_ps(acc[i]), v));
-    }
-  }
-  for (int i = 0; i < MR; ++i) {  // reduce8's tree, 8 weight rows at a time
-    __m256 a[8];
-    for (int l = 0; l < 8; ++l) a[l] = _mm256_load_ps(accbuf[l][i]);
-    for (int l = 0; l < 4; ++l) a[l] = _mm256_add_ps(a[l], a[l + 4]);
-    for (int l = 0; l < 2; ++l) a[l] = _mm256_add_ps(a[l], a[l + 2]);
-    _mm256_storeu_ps(sums[i], _mm256_add_ps(a[0], a[1]));
-  }
-  __m128i t = _mm_max_epu16(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
-  t = _mm_max_epu16(t, _mm_srli_si128(t, 8));
-  t = _mm_max_epu16(t, _mm_srli_si128(t, 4));
-  t = _mm_max_epu16(t, _mm_srli_si128(t, 2));
-  maxbits = std::max(maxbits, static_cast<uint32_t>(_mm_extract_epi16(t, 0)));
-}
+#define POSS_ROWS8_NAME rows8_avx2
+#define POSS_ROWS8_TARGET POSS_Q_AVX2
+#define POSS_ROWS8_VNNI 0
+#include "qlinear_rows8.inc"
+#undef POSS_ROWS8_NAME
+#undef POSS_ROWS8_TARGET
+#undef POSS_ROWS8_VNNI
+
+#define POSS_ROWS8_NAME rows8_vnni
+#define POSS_ROWS8_TARGET POSS_Q_VNNI
+#define POSS_ROWS8_VNNI 1
+#include "qlinear_rows8.inc"
+#undef POSS_ROWS8_NAME
+#undef POSS_ROWS8_TARGET
+#undef POSS_ROWS8_VNNI
 
 template <QFormat F>
 struct Avx2I8Kern {
   static constexpr bool kInt8 = true;
+  static constexpr bool kRows8 = true;
   // q4_0 / q4_1: 8 weight rows at a time (rows8_micro; the last N % 8 rows one by one), a tile of up to
   // 16 rows of x sharing the weight side (a tree verify's). q8_0: one weight row at a time, up to 8
   // rows of x; there the 8-row pass measured slower (a pass over SmolLM2's shapes in q8_0, thread CPU
@@ -670,14 +614,23 @@ struct Avx2I8Kern {
     }
   }
 
+  // Weight rows `rows8` (interleaved by 8, qlinear_args.h): the 8-row pass reads them as they are.
   template <int MR, int NR>
   POSS_Q_AVX2 static void micro(const QuantX& qx, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t nb,
-                                float sums[MR][8], uint32_t& maxbits) {
+                                float sums[MR][8], uint32_t& maxbits, bool rows8) {
     static_assert(NR == 1 || NR == 8, "8 weight rows at a time, or one");
     if constexpr (NR == 8) {
-      rows8_micro<F, MR>(qx, m0, w, row_bytes, nb, sums, maxbits);
+      if (rows8) rows8_avx2<F, MR, true>(qx, m0, w, row_bytes, nb, sums, maxbits);
+      else if constexpr (F != QFormat::Q8_0) rows8_avx2<F, MR, false>(qx, m0, w, row_bytes, nb, sums, maxbits);
       return;
     }
+    micro1<MR>(qx, m0, w, nb, sums, maxbits);
+  }
+
+  // One weight row (plain layout) against MR rows of x.
+  template <int MR>
+  POSS_Q_AVX2 static void micro1(const QuantX& qx, int64_t m0, const uint8_t* w, int64_t nb, float sums[MR][8],
+                                 uint32_t& maxbits) {
     __m256 acc[MR];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
@@ -688,6 +641,25 @@ struct Avx2I8Kern {
     maxbits = std::max(maxbits, mb);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) sums[i][0] = hsum256(acc[i]);
+  }
+};
+
+// ---- AVX512-VNNI int8 path: the AVX2 int8 kernel with vpdpbusd in the 8-weight-row pass ----
+//
+// One vpdpbusd sums 4 products a lane into int32 where AVX2 takes a maddubs, an int16 add and (once a
+// block) a madd; q8_0 (one weight row at a time) runs the AVX2 code. 256-bit vectors: lane k is still
+// weight row k of 8, and Zen 4 runs 512-bit ones as two halves.
+template <QFormat F>
+struct VnniI8Kern : Avx2I8Kern<F> {
+  template <int MR, int NR>
+  static void micro(const QuantX& qx, int64_t m0, const uint8_t* w, int64_t row_bytes, int64_t nb,
+                    float sums[MR][8], uint32_t& maxbits, bool rows8) {
+    if constexpr (NR == 8) {
+      if (rows8) rows8_vnni<F, MR, true>(qx, m0, w, row_bytes, nb, sums, maxbits);
+      else if constexpr (F != QFormat::Q8_0) rows8_vnni<F, MR, false>(qx, m0, w, row_bytes, nb, sums, maxbits);
+    } else {
+      Avx2I8Kern<F>::template micro1<MR>(qx, m0, w, nb, sums, maxbits);
+    }
   }
 };
 
@@ -742,6 +714,7 @@ template <QFormat F>
 struct Avx512Kern {
   // MR x NR x 2 accumulators (at most 24) + a block's two vectors + x and scales in 32 registers.
   static constexpr bool kInt8 = false;
+  static constexpr bool kRows8 = false;
   static constexpr int kMaxRows = 6;
   static constexpr int cols(int rows) { return rows <= 3 ? 4 : rows == 4 ? 3 : 2; }
 
@@ -783,6 +756,8 @@ bool cpu_has(const char* kernel) {
   if (std::strcmp(kernel, "avx512") == 0)
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+  if (std::strcmp(kernel, "avx512vnni") == 0)
+    return cpu_has("avx512") && cpu_has("avx2") && __builtin_cpu_supports("avx512vnni");
   if (std::strcmp(kernel, "avx2") == 0)
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   return std::strcmp(kernel, "scalar") == 0;
@@ -851,20 +826,35 @@ struct Pass {
   const QuantX* qx;  // x quantized (the int8 kernels), or null
   const uint8_t* w;  // [N, row_bytes]
   int64_t row_bytes, nb;
+  bool rows8;  // w's rows interleaved by 8 (qlinear_args.h)
 };
 
-// MR x rows from m0 against weight rows [n0, n1).
-template <typename Kern, int MR, typename T>
-void row_group(const Pass& p, int64_t m0, int64_t n0, int64_t n1, const Epilogue<T>& e, uint32_t& maxbits) {
-  constexpr int NR = Kern::cols(MR);
+// Rows [n0, n1) of p.w as they are, or (interleaved by 8, for a kernel that reads the plain layout)
+// unpacked into a buffer of this thread's; n0 and n1 are multiples of 8 there.
+template <typename Kern, QFormat F>
+const uint8_t* rows_for(const Pass& p, int64_t n0, int64_t n1) {
+  const uint8_t* src = p.w + n0 * p.row_bytes;
+  if (!p.rows8 || Kern::kRows8) return src;
+  thread_local std::vector<uint8_t> plain;
+  plain.resize(static_cast<size_t>((n1 - n0) * p.row_bytes));
+  unpack_rows8<F>(src, (n1 - n0) / 8, p.nb, plain.data());
+  return plain.data();
+}
+
+// MR x rows from m0 against weight rows [n0, n1), whose bytes start at w, NR weight rows at a time.
+template <typename Kern, int MR, int NR, typename T>
+void row_group_nr(const Pass& p, const uint8_t* w, int64_t m0, int64_t n0, int64_t n1, const Epilogue<T>& e,
+                  uint32_t& maxbits) {
   const float* xr = p.x + m0 * p.K;
+  const bool rows8 = p.rows8 && Kern::kRows8;
   float sums[MR][8];
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) {
+    const uint8_t* wn = w + (n - n0) * p.row_bytes;
     if constexpr (Kern::kInt8)
-      Kern::template micro<MR, NR>(*p.qx, m0, p.w + n * p.row_bytes, p.row_bytes, p.nb, sums, maxbits);
+      Kern::template micro<MR, NR>(*p.qx, m0, wn, p.row_bytes, p.nb, sums, maxbits, rows8);
     else
-      Kern::template micro<MR, NR>(xr, p.K, p.w + n * p.row_bytes, p.row_bytes, p.nb, sums, maxbits);
+      Kern::template micro<MR, NR>(xr, p.K, wn, p.row_bytes, p.nb, sums, maxbits);
 #ifdef POSS_QX86
     if constexpr (NR == 8) {  // the AVX2 int8 kernel's 8 weight rows
       for (int i = 0; i < MR; ++i) store8(e, m0 + i, n, sums[i]);
@@ -874,22 +864,33 @@ void row_group(const Pass& p, int64_t m0, int64_t n0, int64_t n1, const Epilogue
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j) e.store(m0 + i, n + j, sums[i][j]);
   }
-  for (; n < n1; ++n) {
+  for (; n < n1; ++n) {  // the last N % 8 rows of the 8-row pass (never interleaved: N % 8 == 0 there)
+    const uint8_t* wn = w + (n - n0) * p.row_bytes;
     if constexpr (Kern::kInt8)
-      Kern::template micro<MR, 1>(*p.qx, m0, p.w + n * p.row_bytes, p.row_bytes, p.nb, sums, maxbits);
+      Kern::template micro<MR, 1>(*p.qx, m0, wn, p.row_bytes, p.nb, sums, maxbits, false);
     else
-      Kern::template micro<MR, 1>(xr, p.K, p.w + n * p.row_bytes, p.row_bytes, p.nb, sums, maxbits);
+      Kern::template micro<MR, 1>(xr, p.K, wn, p.row_bytes, p.nb, sums, maxbits);
     for (int i = 0; i < MR; ++i) e.store(m0 + i, n, sums[i][0]);
   }
 }
 
+// row_group_nr with the kernel's width, or 8 weight rows a pass where it reads them interleaved.
+template <typename Kern, int MR, typename T>
+void row_group(const Pass& p, const uint8_t* w, int64_t m0, int64_t n0, int64_t n1, const Epilogue<T>& e,
+               uint32_t& maxbits) {
+  if constexpr (Kern::kRows8) {
+    if (p.rows8) return row_group_nr<Kern, MR, 8>(p, w, m0, n0, n1, e, maxbits);
+  }
+  row_group_nr<Kern, MR, Kern::cols(MR)>(p, w, m0, n0, n1, e, maxbits);
+}
+
 // The last M % kMaxRows rows, in one pass of the right height.
 template <typename Kern, int MR, typename T>
-void tail_rows(int64_t rows, const Pass& p, int64_t m0, int64_t n0, int64_t n1, const Epilogue<T>& e,
-               uint32_t& maxbits) {
+void tail_rows(int64_t rows, const Pass& p, const uint8_t* w, int64_t m0, int64_t n0, int64_t n1,
+               const Epilogue<T>& e, uint32_t& maxbits) {
   if constexpr (MR > 0) {
-    if (rows == MR) return row_group<Kern, MR>(p, m0, n0, n1, e, maxbits);
-    tail_rows<Kern, MR - 1>(rows, p, m0, n0, n1, e, maxbits);
+    if (rows == MR) return row_group<Kern, MR>(p, w, m0, n0, n1, e, maxbits);
+    tail_rows<Kern, MR - 1>(rows, p, w, m0, n0, n1, e, maxbits);
   }
 }
 
@@ -908,10 +909,19 @@ const float* fp32_rows(const T* x, int64_t n) {
   }
 }
 
-// The first block with a non-finite scale, as an error naming it.
-void fail_on_bad_scale(const at::Tensor& blocks, QFormat f) {
+// The first block with a non-finite scale, as an error naming it (its row and block in the plain layout).
+void fail_on_bad_scale(const at::Tensor& blocks, QLayout layout) {
+  const QFormat f = layout.format;
   const int64_t N = blocks.size(0), bytes = qblock_bytes(f), nb = blocks.size(1) / bytes;
+  std::vector<uint8_t> plain;
   const uint8_t* w = blocks.const_data_ptr<uint8_t>();
+  if (layout.rows8) {
+    plain.resize(static_cast<size_t>(blocks.numel()));
+    if (f == QFormat::Q8_0) unpack_rows8<QFormat::Q8_0>(w, N / 8, nb, plain.data());
+    else if (f == QFormat::Q4_0) unpack_rows8<QFormat::Q4_0>(w, N / 8, nb, plain.data());
+    else unpack_rows8<QFormat::Q4_1>(w, N / 8, nb, plain.data());
+    w = plain.data();
+  }
   for (int64_t n = 0; n < N; ++n)
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = w + n * blocks.size(1) + b * bytes;
@@ -933,9 +943,10 @@ void run(const Pass& p, int64_t M, int64_t N, const Epilogue<T>& e, std::atomic<
     uint32_t mb = 0;
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t n0 = blk * kRowBlock, n1 = std::min(N, n0 + kRowBlock);
+      const uint8_t* w = rows_for<Kern, F>(p, n0, n1);
       int64_t m = 0;
-      for (; m + Kern::kMaxRows <= M; m += Kern::kMaxRows) row_group<Kern, Kern::kMaxRows>(p, m, n0, n1, e, mb);
-      tail_rows<Kern, Kern::kMaxRows - 1>(M - m, p, m, n0, n1, e, mb);
+      for (; m + Kern::kMaxRows <= M; m += Kern::kMaxRows) row_group<Kern, Kern::kMaxRows>(p, w, m, n0, n1, e, mb);
+      tail_rows<Kern, Kern::kMaxRows - 1>(M - m, p, w, m, n0, n1, e, mb);
     }
     uint32_t seen = maxbits.load();
     while (mb > seen && !maxbits.compare_exchange_weak(seen, mb)) {
@@ -953,20 +964,24 @@ void run_format(QFormat f, const Pass& p, int64_t M, int64_t N, const Epilogue<T
   }
 }
 
-// The kernel in use: POSS_QLINEAR (read once; "avx512", "avx2", "scalar") or the best this CPU has;
-// force_cpu_qlinear_kernel changes it.
+// The kernel in use: POSS_QLINEAR (read once; "avx512vnni", "avx512", "avx2", "scalar") or the best
+// this CPU has; force_cpu_qlinear_kernel changes it.
 std::string best_kernel() {
-  for (const char* k : {"avx512", "avx2"})
+  for (const char* k : {"avx512vnni", "avx512", "avx2"})
     if (cpu_has(k)) return k;
   return "scalar";
+}
+
+bool known_kernel(const std::string& k) {
+  return k == "avx512vnni" || k == "avx512" || k == "avx2" || k == "scalar";
 }
 
 std::string& current_kernel() {
   static std::string kernel = [] {
     const char* env = std::getenv("POSS_QLINEAR");
     if (env == nullptr || *env == '\0') return best_kernel();
-    TORCH_CHECK(std::strcmp(env, "avx512") == 0 || std::strcmp(env, "avx2") == 0 || std::strcmp(env, "scalar") == 0,
-                "POSS_QLINEAR must be 'avx512', 'avx2' or 'scalar', got '", env, "'");
+    TORCH_CHECK(known_kernel(env), "POSS_QLINEAR must be 'avx512vnni', 'avx512', 'avx2' or 'scalar', got '", env,
+                "'");
     TORCH_CHECK(cpu_has(env), "POSS_QLINEAR=", env, ": this CPU cannot run that kernel");
     return std::string(env);
   }();
@@ -974,9 +989,10 @@ std::string& current_kernel() {
 }
 
 template <typename T>
-at::Tensor qlinear_typed(const at::Tensor& x, const at::Tensor& blocks, QFormat f,
+at::Tensor qlinear_typed(const at::Tensor& x, const at::Tensor& blocks, QLayout layout,
                          const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual,
                          bool x_int8) {
+  const QFormat f = layout.format;
   const int64_t K = x.size(-1), N = blocks.size(0);
   const int64_t M = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
   auto out_shape = x.sizes().vec();
@@ -998,26 +1014,29 @@ at::Tensor qlinear_typed(const at::Tensor& x, const at::Tensor& blocks, QFormat 
                       out.mutable_data_ptr<T>(), N};
   const float* xf = fp32_rows(x2.const_data_ptr<T>(), M * K);
   const std::string kernel = cpu_qlinear_kernel(x_int8);
+  const bool simd_i8 = kernel == "avx2" || kernel == "avx512vnni";
   QuantX qx{};
-  if (x_int8) qx = quantize_rows(xf, M, K, kernel == "avx2", f != QFormat::Q8_0 && kernel == "avx2");
-  const Pass p{xf, K, x_int8 ? &qx : nullptr, w.const_data_ptr<uint8_t>(), w.size(1), K / kQBlock};
+  // The 8-weight-row pass reads x block-major: the 4-bit formats always, q8_0 when interleaved.
+  if (x_int8) qx = quantize_rows(xf, M, K, simd_i8, (f != QFormat::Q8_0 || layout.rows8) && simd_i8);
+  const Pass p{xf, K, x_int8 ? &qx : nullptr, w.const_data_ptr<uint8_t>(), w.size(1), K / kQBlock, layout.rows8};
   std::atomic<uint32_t> maxbits{0};
 #ifdef POSS_QX86
   if (kernel == "avx512") run_format<Avx512Kern>(f, p, M, N, e, maxbits);
+  else if (kernel == "avx512vnni") run_format<VnniI8Kern>(f, p, M, N, e, maxbits);
   else if (kernel == "avx2" && x_int8) run_format<Avx2I8Kern>(f, p, M, N, e, maxbits);
   else if (kernel == "avx2") run_format<Avx2Kern>(f, p, M, N, e, maxbits);
   else
 #endif
   if (x_int8) run_format<ScalarI8Kern>(f, p, M, N, e, maxbits);
   else run_format<ScalarKern>(f, p, M, N, e, maxbits);
-  if (maxbits.load() >= kNonFiniteHalf) fail_on_bad_scale(w, f);
+  if (maxbits.load() >= kNonFiniteHalf) fail_on_bad_scale(w, layout);
   return out.view(out_shape);
 }
 
 at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& blocks, c10::string_view format,
                        const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual,
                        bool x_int8) {
-  const QFormat f = parse_qformat(std::string(format));
+  const QLayout f = parse_qformat(std::string(format));
   check_qlinear(x, blocks, f, bias, residual);
   switch (x.scalar_type()) {
     case at::kFloat: return qlinear_typed<float>(x, blocks, f, bias, residual, x_int8);
@@ -1028,9 +1047,11 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& blocks, c10::strin
 
 }  // namespace
 
-// The int8 path has no AVX512 kernel: an AVX512 CPU runs the AVX2 one (same bits as every kernel).
+// "avx512vnni" is an int8 kernel: fp32 activations run the AVX512 one there. The int8 path has no
+// AVX512 kernel without VNNI: such a CPU runs the AVX2 one (the same bits as every kernel).
 const char* cpu_qlinear_kernel(bool x_int8) {
   const std::string& k = current_kernel();
+  if (!x_int8 && k == "avx512vnni") return "avx512";
   if (x_int8 && k == "avx512") return "avx2";
   return k.c_str();
 }
@@ -1040,8 +1061,8 @@ void force_cpu_qlinear_kernel(const std::string& name) {
     current_kernel() = best_kernel();
     return;
   }
-  TORCH_CHECK(name == "avx512" || name == "avx2" || name == "scalar",
-              "kernel must be 'avx512', 'avx2', 'scalar' or '' (the best), got '", name, "'");
+  TORCH_CHECK(known_kernel(name),
+              "kernel must be 'avx512vnni', 'avx512', 'avx2', 'scalar' or '' (the best), got '", name, "'");
   TORCH_CHECK(cpu_has(name.c_str()), "this CPU cannot run the ", name, " kernel of poss::qlinear");
   current_kernel() = name;
 }

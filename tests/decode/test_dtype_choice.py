@@ -231,7 +231,7 @@ def test_a_gguf_target_keeps_the_draft_float_and_speculation_equals_its_ar_loop(
                      tree=TreeParams(num_nodes=12, depth=4), speculate_max_batch=None)
     ar = poss.load(as_gguf_target / "target", dtype="gguf")
     assert {p.dtype for p in spec.draft.parameters()} == {getattr(torch, FLOAT)}
-    assert spec.draft._head_blocks.format == "q8_0"
+    assert spec.draft._head_blocks.file_format == "q8_0"
     prompts = eval_prompts(n_per_set=1)
     res = spec.generate(prompts, 40)
     assert res.token_ids == ar.generate(prompts, 40).token_ids

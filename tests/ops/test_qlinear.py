@@ -189,7 +189,8 @@ def test_opcheck(fmt, dtype):
 
 
 @pytest.mark.parametrize("make,match", [
-    (lambda x, w: (x, w, "q5_0", None, None), "format must be one of 'q8_0', 'q4_0', 'q4_1', got 'q5_0'"),
+    (lambda x, w: (x, w, "q5_0", None, None),
+     "format must be one of 'q8_0', 'q4_0', 'q4_1', 'q8_0x8', 'q4_0x8', 'q4_1x8', got 'q5_0'"),
     (lambda x, w: (x[:, :40], w, "q4_1", None, None), r"x.size\(-1\) \(K\) must be a multiple of the block size 32"),
     (lambda x, w: (x, w[:, :-1], "q4_1", None, None), r"blocks.size\(1\) must equal K / 32 \* 20"),
     (lambda x, w: (x, w, "q8_0", None, None), r"blocks.size\(1\) must equal K / 32 \* 34"),
@@ -218,7 +219,7 @@ def test_non_finite_scales_are_an_error(kern, fmt, offset, what, value):
 
 
 def test_force_an_unknown_kernel_is_an_error():
-    with pytest.raises(RuntimeError, match="kernel must be 'avx512', 'avx2', 'scalar'"):
+    with pytest.raises(RuntimeError, match="kernel must be 'avx512vnni', 'avx512', 'avx2', 'scalar'"):
         poss_ext.ops.force_cpu_qlinear_kernel("amx")
     assert poss_ext.ops.cpu_qlinear_kernel() == KERNELS[0]
 

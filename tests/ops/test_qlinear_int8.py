@@ -18,8 +18,8 @@ BYTES = poss_ext.ops.QFORMAT_BLOCK_BYTES
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-# The int8 path's kernels: AVX2 (which an AVX512 CPU runs too) and scalar.
-KERNELS = [k for k in ("avx2", "scalar") if runnable(k)]
+# The int8 path's kernels: AVX512-VNNI, AVX2 (which an AVX512 CPU without VNNI runs) and scalar.
+KERNELS = [k for k in ("avx512vnni", "avx2", "scalar") if runnable(k)]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -306,8 +306,14 @@ def test_default_is_the_fp32_path():
 
 
 def test_kernel_names():
-    """The int8 path runs "avx2" or "scalar" (an AVX512 CPU runs the AVX2 one) and follows the force."""
+    """The int8 path runs "avx512vnni", "avx2" or "scalar" (an AVX512 CPU without VNNI runs the AVX2
+    one) and follows the force; "avx512vnni" is the AVX512 kernel for fp32 activations."""
     assert poss_ext.ops.cpu_qlinear_kernel(x_int8=True) == KERNELS[0]
+    if runnable("avx512vnni"):
+        with kernel("avx512vnni"):
+            assert poss_ext.ops.cpu_qlinear_kernel() == "avx512"
+        with kernel("avx512"):
+            assert poss_ext.ops.cpu_qlinear_kernel(x_int8=True) == "avx2"
     with kernel("scalar"):
         assert poss_ext.ops.cpu_qlinear_kernel(x_int8=True) == "scalar"
         assert poss_ext.ops.cpu_qlinear_kernel() == "scalar"

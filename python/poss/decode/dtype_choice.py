@@ -129,7 +129,7 @@ def _weight(m: Matrix, n: int, candidate: str, float_dtype: torch.dtype):
         blocks[..., 0:2] = scale
         if m.format == "q4_1":
             blocks[..., 2:4] = scale
-        return QuantWeight(blocks.reshape(n, -1), m.format)
+        return QuantWeight(blocks.reshape(n, -1), m.format).interleaved()  # as the runner keeps them
     return torch.full((n, m.k), 0.01, dtype=float_dtype)
 
 
@@ -173,6 +173,8 @@ def time_format(layout, candidate: str, float_dtype: torch.dtype, rows=ROWS, rep
     head = head_matrix(layout)
     head_rows = max(1, min(head.n, sample // 2 // max(_nbytes(_weight(head, 1, candidate, dtype)), 1)))
     flat = [m for layer in mats for m in layer]
+    if candidate == GGUF and head.format is not None and head_rows >= 8:
+        head_rows -= head_rows % 8  # whole groups of 8 rows, which the runner interleaves
     weights = [_weight(m, m.n, candidate, dtype) for m in flat] + [_weight(head, head_rows, candidate, dtype)]
     # On 2 MB pages where the OS has them, as the runner keeps its weights (poss.huge_pages).
     packed = pack_on_huge_pages([getattr(w, "blocks", w) for w in weights])
@@ -191,12 +193,23 @@ def time_format(layout, candidate: str, float_dtype: torch.dtype, rows=ROWS, rep
     one_pass(1, n_sample, head_rows)  # touches every page once
     out = {}
     for m in rows:
-        n_run, h_run = (n_sample, head_rows) if m == 1 else (max(1, n_sample // 4), max(1, head_rows // 4))
+        if m == 1:
+            n_run, h_run = n_sample, head_rows
+        else:
+            n_run, h_run = max(1, n_sample // 4), _whole_groups(head_w, head_rows // 4)
         best = [math.inf, math.inf]
         for _ in range(repeats):
             best = [min(b, t) for b, t in zip(best, one_pass(m, n_run, h_run))]
         out[m] = 1e3 * (best[0] * n_layers / n_run + best[1] * head.n / h_run)
     return out
+
+
+def _whole_groups(w, n: int) -> int:
+    """n rows, at least 1, rounded down to whole groups of 8 (at least one) where ``w``'s rows are
+    interleaved by 8 (a slice must not split a group)."""
+    if getattr(w, "format", "").endswith("x8"):
+        return max(8, n - n % 8)
+    return max(1, n)
 
 
 def _rows(w, n: int):

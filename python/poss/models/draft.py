@@ -104,10 +104,11 @@ class PosSDraft(nn.Module):
         # blocks keeps the file's values exactly, and the head streams the file's bytes, not a float copy.
         self._head_blocks = None
         if head_blocks is not None:
-            rows = head_blocks.blocks
+            self._head_blocks = head_blocks
             if self.token_map is not None:
-                rows = rows.index_select(0, self.token_map.to(rows.device))
-            self._head_blocks = QuantWeight(rows, head_blocks.format)
+                plain = head_blocks.plain()
+                rows = plain.blocks.index_select(0, self.token_map.to(plain.blocks.device))
+                self._head_blocks = QuantWeight(rows, plain.format).interleaved()
         if lm_head.device.type == "cpu":
             self._move_weights_to_huge_pages()
         self.caches = None

@@ -123,7 +123,7 @@ def layer_params(layer, dtype, quantized: Optional[Dict[str, QuantWeight]] = Non
     def weight(*names):
         blocks = QuantWeight.stack([(quantized or {}).get(f"{prefix}{n}.weight") for n in names])
         if blocks is not None:
-            return blocks
+            return blocks.interleaved()
         modules = [layer.get_submodule(n) for n in names]
         return cvt(torch.cat([m.weight for m in modules]) if len(modules) > 1 else modules[0].weight)
 
@@ -199,7 +199,8 @@ class TargetRunner:
         self.final_norm_w = hf_model.model.norm.weight.detach().to(self.dtype).contiguous()
         self.lm_head = hf_model.lm_head.weight.detach().to(self.dtype)
         # The logits' lm_head as blocks (the float one above stays: the embedding of a tied head, training).
-        self.lm_head_blocks: Optional[QuantWeight] = quantized.get("lm_head.weight")
+        head_blocks = quantized.get("lm_head.weight")
+        self.lm_head_blocks: Optional[QuantWeight] = None if head_blocks is None else head_blocks.interleaved()
         self.quantized = self.lm_head_blocks is not None or any(
             isinstance(w, QuantWeight) for p in self.layers for w in vars(p).values())
         if huge_pages and self.device.type == "cpu":
@@ -259,7 +260,7 @@ class TargetRunner:
         counts: Dict[str, int] = {}
         head = self.lm_head_blocks if self.lm_head_blocks is not None else self.lm_head
         for w in [getattr(p, k) for p in self.layers for k in ("w_qkv", "w_o", "w_gate_up", "w_down")] + [head]:
-            name = w.format if isinstance(w, QuantWeight) else str(w.dtype).replace("torch.", "")
+            name = w.file_format if isinstance(w, QuantWeight) else str(w.dtype).replace("torch.", "")
             counts[name] = counts.get(name, 0) + 1
         return counts
 
