@@ -11,6 +11,7 @@
 
 #include "poss/arg_checks.h"
 #include "poss/layer_args.h"
+#include "poss/qlinear_args.h"
 #include "poss/tree_attention_args.h"
 
 namespace poss {
@@ -62,12 +63,35 @@ at::Tensor call_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
   return h.call(x, w, bias, residual);
 }
 
+// The same through poss::qlinear when `format` names GGUF blocks (LayerWeights::formats).
+at::Tensor call_project(const at::Tensor& x, const at::Tensor& w, const std::string& format, bool x_int8,
+                        const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
+  if (format.empty()) return call_linear(x, w, bias, residual);
+  static auto h = op<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view,
+                                const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, bool)>(
+      "poss::qlinear");
+  return h.call(x, w, format, bias, residual, x_int8);
+}
+
 void check_weight(const at::Tensor& t, const char* name, int64_t rows, int64_t cols,
                   const at::Tensor& x) {
   check_dim(t, name, 2, "[out, in]");
   check_size(t, name, 0, rows, "the expected output features");
   check_size(t, name, 1, cols, "the expected input features");
   check_dtype(t, name, x.scalar_type());
+  check_same_device(t, name, x, "x");
+}
+
+// check_weight, or for GGUF blocks in `format` (non-empty): [rows, cols / 32 * B] uint8.
+void check_weight(const at::Tensor& t, const char* name, int64_t rows, int64_t cols, const at::Tensor& x,
+                  const std::string& format) {
+  if (format.empty()) return check_weight(t, name, rows, cols, x);
+  const QLayout layout = parse_qformat(format);
+  TORCH_CHECK(cols % kQBlock == 0, name, ": blocks need the input features (", cols, ") to be a multiple of 32");
+  check_dim(t, name, 2, "[out, in / 32 * block bytes] uint8");
+  check_size(t, name, 0, rows, "the expected output features");
+  check_size(t, name, 1, cols / kQBlock * qblock_bytes(layout.format), "the input features / 32 * block bytes");
+  check_dtype(t, name, at::kByte);
   check_same_device(t, name, x, "x");
 }
 
@@ -106,12 +130,12 @@ void check_layer(const at::Tensor& x, const LayerWeights& w, const LayerInputs& 
               "w_gate_up must be [2F, H] (gate rows then up rows), got shape ", shape_str(w.w_gate_up));
   const int64_t F = w.w_gate_up.size(0) / 2;
   if (w.in_norm_w) check_vector(*w.in_norm_w, "in_norm_w", H, x);
-  check_weight(w.w_qkv, "w_qkv", qkv, qkv_in, x);
+  check_weight(w.w_qkv, "w_qkv", qkv, qkv_in, x, w.formats[0]);
   if (w.b_qkv) check_vector(*w.b_qkv, "b_qkv", qkv, x);
-  check_weight(w.w_o, "w_o", H, in.num_heads * D, x);
+  check_weight(w.w_o, "w_o", H, in.num_heads * D, x, w.formats[1]);
   check_vector(w.post_norm_w, "post_norm_w", H, x);
-  check_weight(w.w_gate_up, "w_gate_up", 2 * F, H, x);
-  check_weight(w.w_down, "w_down", H, F, x);
+  check_weight(w.w_gate_up, "w_gate_up", 2 * F, H, x, w.formats[2]);
+  check_weight(w.w_down, "w_down", H, F, x, w.formats[3]);
   check_dtype(in.prefix_len, "prefix_len", at::kInt);
   check_dim(in.prefix_len, "prefix_len", 1, "[B]");
   check_size(in.prefix_len, "prefix_len", 0, B, "B");
@@ -165,7 +189,7 @@ namespace {
 at::Tensor layer_body(const at::Tensor& x2, const at::Tensor& a, int64_t B, int64_t T, const LayerWeights& w,
                       LayerInputs& in) {
   const int64_t H = x2.size(1), D = in.k_cache.size(3), N = in.parents.size(1);
-  const auto qkv = call_linear(a, w.w_qkv, w.b_qkv, std::nullopt).view({B, T, -1});
+  const auto qkv = call_project(a, w.w_qkv, w.formats[0], w.x_int8, w.b_qkv, std::nullopt).view({B, T, -1});
   // The new tokens are the tree's last T nodes; node i's K/V lives at slot prefix_len + i. (A
   // target forward's T is N: no add, which costs ~10 us a layer on a CPU.)
   const auto start = N == T ? in.prefix_len : in.prefix_len + static_cast<int32_t>(N - T);
@@ -174,10 +198,11 @@ at::Tensor layer_body(const at::Tensor& x2, const at::Tensor& a, int64_t B, int6
   const auto attn = call_tree_attention(q, in.k_cache, in.v_cache, in.prefix_len, in.parents,
                                         1.0 / std::sqrt(static_cast<double>(D)));
   const auto attn2 = attn.transpose(1, 2).reshape({B * T, in.num_heads * D});
-  auto [m_in, h] = call_add_rms_norm(call_linear(attn2, w.w_o, std::nullopt, std::nullopt), x2,
-                                     w.post_norm_w, in.eps);
-  const auto act = call_swiglu(call_linear(m_in, w.w_gate_up, std::nullopt, std::nullopt));
-  return call_linear(act, w.w_down, std::nullopt, h).view({B, T, H});
+  auto [m_in, h] = call_add_rms_norm(call_project(attn2, w.w_o, w.formats[1], w.x_int8, std::nullopt, std::nullopt),
+                                     x2, w.post_norm_w, in.eps);
+  const auto act =
+      call_swiglu(call_project(m_in, w.w_gate_up, w.formats[2], w.x_int8, std::nullopt, std::nullopt));
+  return call_project(act, w.w_down, w.formats[3], w.x_int8, std::nullopt, h).view({B, T, H});
 }
 
 }  // namespace
@@ -202,6 +227,22 @@ at::Tensor decoder_layer_op(const at::Tensor& x, const std::optional<at::Tensor>
                             const at::Tensor& positions, const at::Tensor& inv_freq, int64_t num_heads,
                             int64_t num_kv_heads, double eps) {
   LayerWeights w{in_norm_w, w_qkv, b_qkv, w_o, post_norm_w, w_gate_up, w_down};
+  LayerInputs in{k_cache, v_cache, prefix_len, parents, positions, inv_freq, num_heads, num_kv_heads, eps};
+  return decoder_layer_forward(x, w, in);
+}
+
+at::Tensor qdecoder_layer_op(const at::Tensor& x, const std::optional<at::Tensor>& in_norm_w,
+                             const at::Tensor& w_qkv, const std::optional<at::Tensor>& b_qkv,
+                             const at::Tensor& w_o, const at::Tensor& post_norm_w, const at::Tensor& w_gate_up,
+                             const at::Tensor& w_down, c10::ArrayRef<c10::string_view> formats, bool x_int8,
+                             at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& prefix_len,
+                             const at::Tensor& parents, const at::Tensor& positions, const at::Tensor& inv_freq,
+                             int64_t num_heads, int64_t num_kv_heads, double eps) {
+  TORCH_CHECK(formats.size() == 4, "formats must hold 4 entries (w_qkv, w_o, w_gate_up, w_down: \"\" for a "
+              "float weight, else its qlinear format), got ", formats.size());
+  LayerWeights w{in_norm_w, w_qkv, b_qkv, w_o, post_norm_w, w_gate_up, w_down};
+  for (size_t i = 0; i < 4; ++i) w.formats[i] = std::string(formats[i]);
+  w.x_int8 = x_int8;
   LayerInputs in{k_cache, v_cache, prefix_len, parents, positions, inv_freq, num_heads, num_kv_heads, eps};
   return decoder_layer_forward(x, w, in);
 }
@@ -266,6 +307,7 @@ at::Tensor eagle3_layer_forward_op(const at::Tensor& embeds, const at::Tensor& h
 // kernel overrides it).
 TORCH_LIBRARY_IMPL(poss, CompositeExplicitAutograd, m) {
   m.impl("decoder_layer", &decoder_layer_op);
+  m.impl("qdecoder_layer", &qdecoder_layer_op);
   m.impl("specialist_forward", &specialist_forward_op);
   m.impl("eagle3_layer_forward", &eagle3_layer_forward_op);
 }

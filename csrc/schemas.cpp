@@ -66,6 +66,14 @@ TORCH_LIBRARY(poss, m) {
       "Tensor post_norm_w, Tensor w_gate_up, Tensor w_down, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor prefix_len, Tensor parents, Tensor positions, Tensor inv_freq, int num_heads, "
       "int num_kv_heads, float eps) -> Tensor");
+  // decoder_layer with any of its four projections in GGUF blocks: formats[i] (w_qkv, w_o, w_gate_up,
+  // w_down) is "" for a float weight (poss::linear) or a qlinear format for blocks [N, K / 32 * B]
+  // uint8 (poss::qlinear with x_int8); the same ops in the same order as decoder_layer.
+  m.def(
+      "qdecoder_layer(Tensor x, Tensor? in_norm_w, Tensor w_qkv, Tensor? b_qkv, Tensor w_o, "
+      "Tensor post_norm_w, Tensor w_gate_up, Tensor w_down, str[] formats, bool x_int8, Tensor(a!) k_cache, "
+      "Tensor(b!) v_cache, Tensor prefix_len, Tensor parents, Tensor positions, Tensor inv_freq, "
+      "int num_heads, int num_kv_heads, float eps) -> Tensor");
   // One PosS specialist over T new tokens: u = fc([embeds; features]) then the decoder layer above
   // without input norm, on that specialist's own cache.
   m.def(

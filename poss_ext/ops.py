@@ -6,7 +6,7 @@ nodes, and padding nodes carry ``-2`` after the real ones.
 """
 
 import os
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -476,6 +476,29 @@ def decoder_layer(x, in_norm_w, w_qkv, b_qkv, w_o, post_norm_w, w_gate_up, w_dow
 @torch.library.register_fake("poss::decoder_layer")
 def _decoder_layer_fake(x, *args):
     return torch.empty_like(x, memory_format=torch.contiguous_format)  # a view of the last GEMM's output
+
+
+def qdecoder_layer(x, in_norm_w, w_qkv, b_qkv, w_o, post_norm_w, w_gate_up, w_down, formats: List[str],
+                   x_int8: bool, k_cache, v_cache, prefix_len, parents, positions, inv_freq, num_heads: int,
+                   num_kv_heads: int, eps: float) -> Tensor:
+    """:func:`decoder_layer` with any of its projections in GGUF blocks (CPU).
+
+    Args:
+        formats: 4 entries, for w_qkv, w_o, w_gate_up, w_down: ``""`` where the weight is a float tensor
+            (shapes as :func:`decoder_layer`; :func:`linear`), else its :func:`qlinear` format, the weight
+            then ``[N, K / 32 * B] uint8`` blocks of that ``[N, K]`` (run with ``x_int8``).
+        The rest as :func:`decoder_layer`; the same ops in the same order, one dispatch for the layer.
+    Returns:
+        ``[B, T, H]`` residual stream out.
+    """
+    return torch.ops.poss.qdecoder_layer(x, in_norm_w, w_qkv, b_qkv, w_o, post_norm_w, w_gate_up, w_down,
+                                         formats, x_int8, k_cache, v_cache, prefix_len, parents, positions,
+                                         inv_freq, num_heads, num_kv_heads, eps)
+
+
+@torch.library.register_fake("poss::qdecoder_layer")
+def _qdecoder_layer_fake(x, *args):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def specialist_forward(embeds, features, fc_w, fc_b, w_qkv, w_o, post_norm_w, w_gate_up, w_down,

@@ -5,7 +5,9 @@
 
 #include <ATen/ATen.h>
 
+#include <array>
 #include <optional>
+#include <string>
 
 namespace poss {
 
@@ -17,6 +19,10 @@ struct LayerWeights {
   at::Tensor post_norm_w;               // [H]
   at::Tensor w_gate_up;                 // [2F, H]
   at::Tensor w_down;                    // [H, F]
+  // Per projection (w_qkv, w_o, w_gate_up, w_down): "" for a float weight, or the qlinear format of
+  // its GGUF blocks [N, K / 32 * B] uint8 (poss::qdecoder_layer), run with x_int8.
+  std::array<std::string, 4> formats{};
+  bool x_int8 = false;
 };
 
 struct LayerInputs {

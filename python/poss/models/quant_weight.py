@@ -1,12 +1,11 @@
 """Linear weights kept in GGUF blocks, and the decoder layer that runs them through ``poss_ext.ops.qlinear``.
 
-The fused ``poss::decoder_layer`` op takes float weights; a target with quantized weights runs the
-same sequence of ops here, each projection through :func:`project` (``qlinear`` for blocks, ``linear``
-for the float weights a file stores in other formats). Both ops compute a row the same way however
-many rows share the call, so a tree verify's logits equal a decode step's bit for bit.
+The fused ``poss::decoder_layer`` op takes float weights; a target with quantized weights runs
+``poss::qdecoder_layer``, the same ops with each projection through ``qlinear`` for blocks (``linear`` for
+the float weights a file stores in other formats). Both compute a row the same way however many rows
+share the call, so a tree verify's logits equal a decode step's bit for bit.
 """
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple, Union
 
@@ -124,22 +123,14 @@ def project(x: Tensor, w: Weight, bias: Optional[Tensor] = None, residual: Optio
 def decoder_layer(x: Tensor, p, k_cache: Tensor, v_cache: Tensor, prefix_len: Tensor, parents: Tensor,
                   positions: Tensor, inv_freq: Tensor, num_heads: int, num_kv_heads: int, eps: float) -> Tensor:
     """:func:`poss_ext.ops.decoder_layer` with ``p`` a :class:`~poss.models.target.LayerParams` whose
-    projections may be :class:`QuantWeight`: the same ops in the same order (csrc/decoder_layer.cpp).
+    projections may be :class:`QuantWeight`: :func:`poss_ext.ops.qdecoder_layer`, the same ops in the same
+    order (csrc/decoder_layer.cpp), one dispatch for the layer.
 
     ``x [B, T, H]`` -> ``[B, T, H]``; the T new tokens' K/V go to slots ``prefix_len + N - T + t``.
     """
-    B, T, H = x.shape
-    N = parents.shape[1]
-    D = k_cache.shape[-1]
-    if B * T == 0:
-        return x.new_empty((B, T, H))
-    x2 = x.reshape(B * T, H)
-    a = poss_ext.ops.rms_norm(x2, p.in_norm_w, eps) if p.in_norm_w is not None else x2
-    qkv = project(a, p.w_qkv, p.b_qkv).view(B, T, -1)
-    start = prefix_len if N == T else prefix_len + (N - T)
-    q = poss_ext.ops.rope_qkv(qkv, positions, inv_freq, k_cache, v_cache, start, num_heads, num_kv_heads)
-    attn = poss_ext.ops.tree_attention(q, k_cache, v_cache, prefix_len, parents, 1.0 / math.sqrt(D))
-    attn2 = attn.transpose(1, 2).reshape(B * T, num_heads * D)
-    m_in, h = poss_ext.ops.add_rms_norm(project(attn2, p.w_o), x2, p.post_norm_w, eps)
-    act = poss_ext.ops.swiglu(project(m_in, p.w_gate_up))
-    return project(act, p.w_down, residual=h).view(B, T, H)
+    ws = [p.w_qkv, p.w_o, p.w_gate_up, p.w_down]
+    tensors = [w.blocks if isinstance(w, QuantWeight) else w for w in ws]
+    formats = [w.format if isinstance(w, QuantWeight) else "" for w in ws]
+    return poss_ext.ops.qdecoder_layer(x, p.in_norm_w, tensors[0], p.b_qkv, tensors[1], p.post_norm_w, tensors[2],
+                                       tensors[3], formats, X_INT8, k_cache, v_cache, prefix_len, parents,
+                                       positions, inv_freq, num_heads, num_kv_heads, eps)
