@@ -110,7 +110,8 @@ X_INT8 = True
 # 2: q4_0 / q4_1 take 8 weight rows a pass (csrc/cpu/qlinear.cpp rows8_micro).
 # 3: that pass serves up to 16 rows of x (a tree verify's), each extra row much cheaper.
 # 4: the runner's weights interleaved by 8 rows (QuantWeight.interleaved), and an AVX512-VNNI kernel.
-QLINEAR_REVISION = 4
+# 5: a layer is one poss::qdecoder_layer dispatch.
+QLINEAR_REVISION = 5
 
 
 def project(x: Tensor, w: Weight, bias: Optional[Tensor] = None, residual: Optional[Tensor] = None) -> Tensor:
