@@ -60,6 +60,12 @@ def test_runner_streams_the_blocks_and_matches_the_dequantised_float_runner(quan
     q = TargetRunner(model, max_batch=1, max_seq=64, dtype=torch.float32, quantized=blocks)
     f = TargetRunner(model, max_batch=1, max_seq=64, dtype=torch.float32)
     assert q.quantized and q.weight_formats() == {fmt: 4 * len(q.layers) + 1}
+    # Kept with rows interleaved by 8 where they are whole groups of 8, the file's layout elsewhere; the
+    # file's bytes either way.
+    held = [getattr(p, k) for p in q.layers for k in ("w_qkv", "w_o", "w_gate_up", "w_down")] + [q.lm_head_blocks]
+    assert all(w.format == (fmt + "x8" if w.shape[0] % 8 == 0 else fmt) for w in held)
+    assert any(w.format.endswith("x8") for w in held)
+    assert torch.equal(q.lm_head_blocks.plain().blocks, blocks["lm_head.weight"].blocks)
     assert q.fingerprint() == f.fingerprint()  # a draft trained on the float target attaches
     prompt = [eval_prompts(1)[0]]
     lq, fq = q.prefill(prompt)
