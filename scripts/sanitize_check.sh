@@ -49,5 +49,6 @@ sys.exit(0 if f.startswith('$pkg/') else 'sanitize_check: imported the wrong pos
 "$python" -P -m pytest -q -p no:cacheprovider \
   tests/ops/test_tree_verify.py tests/ops/test_tree_verify_errors.py tests/ops/test_sampling_exact.py \
   tests/ops/test_build_tree.py tests/ops/test_tree_attention.py tests/ops/test_kv_compact.py \
-  tests/ops/test_layer_ops.py tests/ops/test_linear.py tests/ops/test_qlinear.py tests/ops/test_qlinear_int8.py "$@"
+  tests/ops/test_layer_ops.py tests/ops/test_linear.py tests/ops/test_qlinear.py tests/ops/test_qlinear_int8.py \
+  tests/ops/test_qlinear_rows8.py tests/ops/test_qdecoder_layer.py "$@"
 echo "sanitize_check: clean"
