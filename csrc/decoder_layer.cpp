@@ -8,6 +8,8 @@
 
 #include <cmath>
 #include <limits>
+#include <string>
+#include <vector>
 
 #include "poss/arg_checks.h"
 #include "poss/layer_args.h"
@@ -234,14 +236,15 @@ at::Tensor decoder_layer_op(const at::Tensor& x, const std::optional<at::Tensor>
 at::Tensor qdecoder_layer_op(const at::Tensor& x, const std::optional<at::Tensor>& in_norm_w,
                              const at::Tensor& w_qkv, const std::optional<at::Tensor>& b_qkv,
                              const at::Tensor& w_o, const at::Tensor& post_norm_w, const at::Tensor& w_gate_up,
-                             const at::Tensor& w_down, c10::ArrayRef<c10::string_view> formats, bool x_int8,
+                             const at::Tensor& w_down, const std::vector<std::string>& formats, bool x_int8,
                              at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& prefix_len,
                              const at::Tensor& parents, const at::Tensor& positions, const at::Tensor& inv_freq,
                              int64_t num_heads, int64_t num_kv_heads, double eps) {
   TORCH_CHECK(formats.size() == 4, "formats must hold 4 entries (w_qkv, w_o, w_gate_up, w_down: \"\" for a "
               "float weight, else its qlinear format), got ", formats.size());
   LayerWeights w{in_norm_w, w_qkv, b_qkv, w_o, post_norm_w, w_gate_up, w_down};
-  for (size_t i = 0; i < 4; ++i) w.formats[i] = std::string(formats[i]);
+  // Owned strings: a c10::string_view list read after unboxing pointed at freed memory (ASan).
+  for (size_t i = 0; i < 4; ++i) w.formats[i] = formats[i];
   w.x_int8 = x_int8;
   LayerInputs in{k_cache, v_cache, prefix_len, parents, positions, inv_freq, num_heads, num_kv_heads, eps};
   return decoder_layer_forward(x, w, in);
