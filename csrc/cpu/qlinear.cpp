@@ -30,26 +30,17 @@
 //     to fp32 (no FMA: a PyTorch reference reproduces it, poss_ext/reference.py qlinear_int8);
 //   - 8 fp32 lanes, lane b % 8 accumulating acc += v over the blocks b in order; the lanes summed
 //     l with l + 4, then l + 2, l + 1; + bias, + residual, one rounding to x's dtype.
-// The scalar kernel computes isum with a plain loop. AVX2 uses maddubs + madd (exact: q8_0 goes
-// through the sign trick, |qw| <= 128 times |q| <= 127, two products per int16 <= 32512; the 4-bit
-// formats sum 16 products per int16, <= 30480, before one madd): for q4_0 / q4_1, 8 weight rows at a
-// time, vector lane k = weight row k, against a tile of up to 16 rows of x (rows8_micro; the last
-// N % 8 rows as q8_0); for q8_0, one weight row and 8 of its blocks at a time, transposed so that
-// lane k holds block k, up to 8 rows of x. An AVX512 CPU runs the AVX2 int8 kernel. x's
-// quantization and the 8-weight-row pass's stores run 8 lanes at a time (the same bits).
+// The scalar kernel computes isum with a plain loop. The SIMD kernels take 8 weight rows a pass,
+// vector lane k = weight row k, against a tile of up to 16 rows of x (qlinear_rows8.inc; q8_0 in the
+// file's layout instead takes one weight row and 8 of its blocks at a time, transposed so that lane k
+// holds block k, up to 8 rows of x): AVX2 with maddubs + madd (q8_0 through the sign trick, |qw| <= 128
+// times |q| <= 127, two products per int16 <= 32512; the 4-bit formats sum 16 products per int16,
+// <= 30480, before one madd), AVX512-VNNI with vpdpbusd (q8_0 as qw + 128, then - 128 sx). Rows
+// interleaved by 8 (qlinear_args.h) load whole vectors; the file's layout is gathered and transposed
+// per block. An AVX512 CPU without VNNI runs the AVX2 int8 kernel. x's quantization and the
+// 8-weight-row pass's stores run 8 lanes at a time (the same bits).
 //
-// Measured (bench/bench_qlinear.py --threads 1 --rows 1 2 4 8 16 --acts int8 --formats q4_1 q4_0
-// --clock cpu: thread CPU time of a pass over SmolLM2-135M's shapes, 2-core AMD EPYC Zen 3, AVX2 + FMA,
-// no AVX512 / VNNI, the other core busy, 2026-12-07), ms at 1 / 2 / 4 / 8 / 16 rows of x, this
-// build against the one before it (4-row 8-weight-row pass, row by row at 5+ rows), alternated four
-// times, ranges:
-//   q4_1: 7.1-10.0 / 9.0-9.7 / 12.2-15.6 / 20.9-23.5 / 36.1-39.7 against 7.3-10.8 / 10.7-11.0 /
-//         16.7-18.4 / 31.5-34.5 / 65.2-69.6;
-//   q4_0: 6.8-7.1 / 8.9-10.3 / 11.7-12.7 / 18.3-29.4 / 32.8-34.4 against 6.9-7.9 / 9.9-17.9 /
-//         16.5-25.9 / 30.5-48.0 / 58.8-89.5.
-// From the medians an extra row of x costs 1.7-2.0 ms a pass (was 3.1-4.8): ~10 cycles per block of
-// 8 weight rows (8 broadcasts, 8 maddubs, 7 int16 adds, a madd, the fp32 steps: ~33 vector uops, and
-// Zen 3 issues 4 a cycle).
+// Measured: docs/ops.md (bench/bench_qlinear.py, thread CPU time, per kernel, layout and row count).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -186,7 +177,7 @@ struct QuantX {
   const float* d;    // [M, nbp]
   const int32_t* s;  // [M, nbp]
   int64_t nbp;
-  // Block-major copies for the 8-weight-row AVX2 pass (rows8_micro), block b of row m at b * M + m:
+  // Block-major copies for the 8-weight-row pass (qlinear_rows8.inc), block b of row m at b * M + m:
   // the rows of a tile sit at fixed offsets from one pointer per block.
   const int32_t* bq;   // [nb, M, 8]: the block's quants as 8 4-byte words
   const float* bd;     // [nb, M]: dx
@@ -518,12 +509,12 @@ template <QFormat F>
 struct Avx2I8Kern {
   static constexpr bool kInt8 = true;
   static constexpr bool kRows8 = true;
-  // q4_0 / q4_1: 8 weight rows at a time (rows8_micro; the last N % 8 rows one by one), a tile of up to
-  // 16 rows of x sharing the weight side (a tree verify's). q8_0: one weight row at a time, up to 8
-  // rows of x; there the 8-row pass measured slower (a pass over SmolLM2's shapes in q8_0, thread CPU
-  // time: 14.3 ms against 10.7 at 1 row of x, 38.5 against 36 at 8), its 32 quant bytes cost two
-  // transposes. Every pass gives the same bits, so the choice keeps a row's result whatever shares
-  // its call.
+  // q4_0 / q4_1, and q8_0 with rows interleaved by 8: 8 weight rows at a time (rows8_avx2; the last
+  // N % 8 rows one by one), a tile of up to 16 rows of x sharing the weight side (a tree verify's).
+  // q8_0 in the file's layout: one weight row at a time, up to 8 rows of x; there an 8-row pass
+  // measured slower (14.3 ms against 10.7 a pass over SmolLM2's shapes at 1 row of x, AVX2 EPYC), its
+  // 32 quant bytes costing two transposes. Every pass gives the same bits, so the choice keeps a row's
+  // result whatever shares its call.
   static constexpr int kMaxRows = F == QFormat::Q8_0 ? 8 : 16;
   static constexpr int cols(int) { return F != QFormat::Q8_0 ? 8 : 1; }
 
