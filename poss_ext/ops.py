@@ -262,21 +262,27 @@ QFORMAT_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q8_0x8": 34, "q4_0x8
 QBLOCK = 32
 
 
+def _rows8_args(blocks: Tensor, format: str) -> Tuple[int, int, int]:
+    """Check the arguments of :func:`interleave_rows8` / :func:`deinterleave_rows8`; return N, the block
+    bytes B and the fp16 fields a block starts with (d, and q4_1's m)."""
+    if format not in ("q8_0", "q4_0", "q4_1"):
+        raise ValueError(f"format must be 'q8_0', 'q4_0' or 'q4_1' (the file's format), got {format!r}")
+    B = QFORMAT_BLOCK_BYTES[format]
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % B:
+        raise ValueError(f"blocks must be [N, K / 32 * {B}] uint8, got {blocks.dtype} {tuple(blocks.shape)}")
+    N = blocks.shape[0]
+    if N % 8:
+        raise ValueError(f"blocks.shape[0] (N) must be a multiple of 8 for rows interleaved by 8, got {N}")
+    return N, B, 2 if format == "q4_1" else 1
+
+
 def interleave_rows8(blocks: Tensor, format: str) -> Tensor:
     """``blocks [N, K / 32 * B] uint8`` in ``format`` ("q8_0", "q4_0" or "q4_1", N a multiple of 8) ->
     the same bytes with rows interleaved by 8, format ``format + "x8"`` (csrc/include/poss/qlinear_args.h):
     per group of 8 rows and block, the 8 rows' d (q4_1: then their m), then their quants as 4-byte
     words, word j of row k at ``32 j + 4 k``. The int8 kernels then load 8 rows' scales and each word as one
     vector (no transpose) and read one stream. Returns a new contiguous tensor of the same shape."""
-    if format not in ("q8_0", "q4_0", "q4_1"):
-        raise ValueError(f"format must be 'q8_0', 'q4_0' or 'q4_1' to interleave rows by 8, got {format!r}")
-    B = QFORMAT_BLOCK_BYTES[format]
-    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % B:
-        raise ValueError(f"blocks must be [N, K / 32 * {B}] uint8, got {blocks.dtype} {tuple(blocks.shape)}")
-    N = blocks.shape[0]
-    if N % 8:
-        raise ValueError(f"blocks.shape[0] (N) must be a multiple of 8 to interleave rows by 8, got {N}")
-    scales = 2 if format == "q4_1" else 1
+    N, B, scales = _rows8_args(blocks, format)
     b = blocks.reshape(N // 8, 8, -1, B).transpose(1, 2)  # [group, block, row of 8, B]
     fields = [b[..., 2 * s:2 * s + 2].flatten(-2) for s in range(scales)]  # [group, block, 16] each
     words = b[..., 2 * scales:].unflatten(-1, (-1, 4)).transpose(-3, -2).flatten(-3)  # [group, block, 8 * quants]
@@ -286,14 +292,7 @@ def interleave_rows8(blocks: Tensor, format: str) -> Tensor:
 def deinterleave_rows8(blocks: Tensor, format: str) -> Tensor:
     """:func:`interleave_rows8` undone: ``blocks`` with rows interleaved by 8 in ``format`` ("q8_0",
     "q4_0" or "q4_1", the file's format) -> the file's layout, a new contiguous tensor."""
-    if format not in ("q8_0", "q4_0", "q4_1"):
-        raise ValueError(f"format must be 'q8_0', 'q4_0' or 'q4_1', got {format!r}")
-    B = QFORMAT_BLOCK_BYTES[format]
-    N = blocks.shape[0]
-    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % B or N % 8:
-        raise ValueError(f"blocks must be [N, K / 32 * {B}] uint8 with N a multiple of 8, got {blocks.dtype} "
-                         f"{tuple(blocks.shape)}")
-    scales = 2 if format == "q4_1" else 1
+    N, B, scales = _rows8_args(blocks, format)
     rec = blocks.reshape(N // 8, -1, 8 * B)  # [group, block, record]
     fields = [rec[..., 16 * s:16 * s + 16].unflatten(-1, (8, 2)) for s in range(scales)]  # [g, b, row, 2]
     words = rec[..., 16 * scales:].unflatten(-1, (-1, 8, 4)).transpose(-3, -2).flatten(-2)  # [g, b, row, quants]
