@@ -37,14 +37,12 @@ run() {  # name, extra args...
   echo "$name: finished ($(date -u))"
 }
 
-for m in "${@:-eagle2-scratch eagle3 poss2-e3}"; do
-  for m in $m; do
-    case $m in
-      eagle2-scratch) run eagle2-scratch --method eagle2 ;;
-      eagle3)         run eagle3 --method eagle3 --steps "$STEPS" ;;
-      poss2-e3)       run poss2-e3 --method poss --draft-features eagle3 --steps "$STEPS" --positions-per-specialist 2 \
-                          --position-weights eagle3 ;;
-      *) echo "unknown run $m (eagle2-scratch eagle3 poss2-e3)"; exit 2 ;;
-    esac
-  done
+for m in ${*:-eagle2-scratch eagle3 poss2-e3}; do
+  case $m in
+    eagle2-scratch) run eagle2-scratch --method eagle2 ;;
+    eagle3)         run eagle3 --method eagle3 --steps "$STEPS" ;;
+    poss2-e3)       run poss2-e3 --method poss --draft-features eagle3 --steps "$STEPS" --positions-per-specialist 2 \
+                        --position-weights eagle3 ;;
+    *) echo "unknown run $m (eagle2-scratch eagle3 poss2-e3)"; exit 2 ;;
+  esac
 done
