@@ -27,8 +27,11 @@ on an AMX machine add ``-DGGML_AVX512=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
 """
 
 import argparse
+import contextlib
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -120,18 +123,59 @@ def hf(model, prompts: Sequence[List[int]], new: int, name: str, **gen_kw) -> Di
     return _row(name, "hf", out, time.perf_counter() - t)
 
 
-def llama_cpp_rows(gguf: Path, prompts: Sequence[List[int]], new: int, threads: int) -> List[Dict]:
-    """llama.cpp plain greedy and its prompt-lookup decoding (10 tokens; needs ``logits_all=True``)."""
+_PROBE_EXTRA_BUFTS = """
+import sys, llama_cpp
+llm = llama_cpp.Llama(sys.argv[1], n_ctx=64, n_threads=1, verbose=False)
+next(llm.generate([1, 2, 3], temp=0.0, top_k=1))
+"""
+
+
+def llama_extra_bufts_work(gguf: Path) -> bool:
+    """Whether llama.cpp decodes with its extra weight buffers (repacked and AMX layouts), tried in a child
+    process: with llama-cpp-python 0.3.36 on an AMX Xeon VM (2026-12-08) the first decode segfaulted
+    there, while it runs with them off (its AVX512 / VNNI kernels on the file's blocks)."""
+    probe = subprocess.run([sys.executable, "-c", _PROBE_EXTRA_BUFTS, str(gguf)], capture_output=True, timeout=300)
+    return probe.returncode == 0
+
+
+@contextlib.contextmanager
+def _llama_model_params(**fields):
+    """llama_cpp.Llama builds its model parameters from llama_model_default_params(), and takes no argument
+    for these fields: set them there for the block."""
+    import llama_cpp.llama as llama_module
+
+    default = llama_module.llama_cpp.llama_model_default_params
+
+    def patched():
+        params = default()
+        for k, v in fields.items():
+            setattr(params, k, v)
+        return params
+
+    llama_module.llama_cpp.llama_model_default_params = patched
+    try:
+        yield
+    finally:
+        llama_module.llama_cpp.llama_model_default_params = default
+
+
+def llama_cpp_rows(gguf: Path, prompts: Sequence[List[int]], new: int, threads: int, log=print) -> List[Dict]:
+    """llama.cpp plain greedy and its prompt-lookup decoding (10 tokens; needs ``logits_all=True``), with
+    its extra weight buffers where they run on this CPU (:func:`llama_extra_bufts_work`)."""
     import llama_cpp
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     rows = []
     ctx = max(len(p) for p in prompts) + new + 64
+    extra_bufts = llama_extra_bufts_work(gguf)
+    if not extra_bufts:
+        log("  llama.cpp crashed with its extra weight buffers (repack / AMX) on this CPU: rows without them")
     for name, kw in (("llama.cpp plain", {}),
                      ("llama.cpp prompt lookup (10)",
                       {"draft_model": LlamaPromptLookupDecoding(num_pred_tokens=10), "logits_all": True})):
-        llm = llama_cpp.Llama(str(gguf), n_ctx=ctx, n_threads=threads, n_threads_batch=threads, verbose=False,
-                              seed=0, **kw)
+        with _llama_model_params(**({} if extra_bufts else {"use_extra_bufts": False})):
+            llm = llama_cpp.Llama(str(gguf), n_ctx=ctx, n_threads=threads, n_threads_batch=threads, verbose=False,
+                                  seed=0, **kw)
 
         def one(llm, p, n):
             llm.reset()
@@ -146,7 +190,7 @@ def llama_cpp_rows(gguf: Path, prompts: Sequence[List[int]], new: int, threads: 
         t = time.perf_counter()
         out = [one(llm, p, new) for p in prompts]
         rows.append(_row(name, "llama.cpp", out, time.perf_counter() - t,
-                         llama_cpp_version=llama_cpp.__version__, gguf=gguf.name))
+                         llama_cpp_version=llama_cpp.__version__, gguf=gguf.name, extra_bufts=extra_bufts))
         del llm
     return rows
 
@@ -389,7 +433,7 @@ def run(n_prompts: int = 4, new: int = 128, threads: int = 1, dtype="auto", draf
         except ImportError:
             log("  llama_cpp not importable: llama.cpp rows skipped")
         else:
-            for r in llama_cpp_rows(fetch_gguf(target), prompts, new, threads):
+            for r in llama_cpp_rows(fetch_gguf(target), prompts, new, threads, log):
                 rows.append(r)
                 log(f"  {r['name']}: {r['tokens_per_s']:.1f} tok/s")
     matches(rows, ar, {"gguf": quant_rows[0]} if quant_rows else None)

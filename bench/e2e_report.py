@@ -45,6 +45,9 @@ def table(res: Dict) -> str:
     if any(r.get("interleaved") for r in rows):
         lines += ["", "† timed prompt by prompt in turn (`bench_e2e.interleaved`): their ratios are the "
                   "run's fair comparison; the other rows ran one after another, at other moments of the run."]
+    if any(r.get("extra_bufts") is False for r in rows):
+        lines += ["", "llama.cpp ran without its extra weight buffers (repacked / AMX layouts): with them its first "
+                  "decode crashed on this CPU (`bench_e2e.llama_extra_bufts_work`)."]
     measured = [r for r in rows if "bandwidth" in r]
     if measured:
         lines.append("")

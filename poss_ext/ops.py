@@ -353,18 +353,19 @@ def cpu_qlinear_kernel(x_int8: bool = False) -> str:
     """The kernel :func:`qlinear` runs on this CPU: ``"avx512"`` (AVX512F + BW + VL), ``"avx2"``
     (AVX2 + FMA + F16C) or ``"scalar"``; all give the same bits. ``POSS_QLINEAR`` (read once, when
     poss_ext loads) picks one, as :func:`force_cpu_qlinear_kernel` does later. ``x_int8``: the kernel
-    of the int8-activation path, ``"avx512vnni"`` (AVX512-VNNI + VL), ``"avx2"`` or ``"scalar"`` (an
-    AVX512 CPU without VNNI runs the AVX2 one)."""
+    of the int8-activation path, ``"amx"`` (AMX-INT8 tile multiplies for 12+ rows of x on interleaved
+    weights, the VNNI kernel otherwise), ``"avx512vnni"`` (AVX512-VNNI + VL), ``"avx2"`` or ``"scalar"``
+    (an AVX512 CPU without VNNI runs the AVX2 one)."""
     from poss_ext import _C
 
     return _C.cpu_qlinear_kernel(x_int8)
 
 
 def force_cpu_qlinear_kernel(name: str = "") -> None:
-    """Run :func:`qlinear` with kernel ``name`` (``"avx512vnni"``, ``"avx512"``, ``"avx2"``,
-    ``"scalar"``) from now on; ``""`` goes back to the best this CPU has. ``"avx512vnni"`` runs the
-    AVX512 kernel for fp32 activations; ``"avx512"`` the AVX2 one for int8. A kernel this CPU cannot
-    run is a RuntimeError."""
+    """Run :func:`qlinear` with kernel ``name`` (``"amx"``, ``"avx512vnni"``, ``"avx512"``, ``"avx2"``,
+    ``"scalar"``) from now on; ``""`` goes back to the best this CPU has. ``"amx"`` and
+    ``"avx512vnni"`` run the AVX512 kernel for fp32 activations; ``"avx512"`` the AVX2 one for int8. A
+    kernel this CPU cannot run is a RuntimeError."""
     from poss_ext import _C
 
     _C.force_cpu_qlinear_kernel(name)

@@ -38,7 +38,8 @@
 // <= 30480, before one madd), AVX512-VNNI with vpdpbusd (q8_0 as qw + 128, then - 128 sx). Rows
 // interleaved by 8 (qlinear_args.h) load whole vectors; the file's layout is gathered and transposed
 // per block. An AVX512 CPU without VNNI runs the AVX2 int8 kernel. x's quantization and the
-// 8-weight-row pass's stores run 8 lanes at a time (the same bits).
+// 8-weight-row pass's stores run 8 lanes at a time (the same bits). AMX-INT8 (qlinear_amx.inc): the
+// VNNI kernel, with tiles of 12+ rows of x against 16 interleaved weight rows as tile multiplies.
 //
 // Measured: docs/ops.md (bench/bench_qlinear.py, thread CPU time, per kernel, layout and row count).
 #include <ATen/ATen.h>
@@ -62,16 +63,21 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #define POSS_QX86 1
 #define POSS_Q_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
 #define POSS_Q_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define POSS_Q_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
+#define POSS_Q_AMX \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
 #endif
 
 namespace poss {
 namespace {
 
 constexpr int64_t kRowBlock = 64;  // weight rows per thread work unit (as poss::linear)
+constexpr int kAmxMinRows = 12;    // rows of x from which the AMX tile pass beats VNNI (docs/ops.md)
 // Non-temporal prefetch distance along a weight row's blocks: a weight is read once per forward.
 constexpr int64_t kPrefetchBytes = 2048;
 
@@ -147,6 +153,7 @@ inline float reduce32(float* a) {
 template <QFormat F>
 struct ScalarKern {
   static constexpr bool kInt8 = false;
+  static constexpr bool kTile16 = false;  // AmxI8Kern's 16-weight-row tile pass
   static constexpr bool kRows8 = false;  // reads rows interleaved by 8 (else the driver unpacks them)
   static constexpr int kMaxRows = 1;
   static constexpr int cols(int) { return 1; }
@@ -350,6 +357,7 @@ inline float reduce8(float* a) {
 template <QFormat F>
 struct ScalarI8Kern {
   static constexpr bool kInt8 = true;
+  static constexpr bool kTile16 = false;
   static constexpr bool kRows8 = false;
   static constexpr int kMaxRows = 1;
   static constexpr int cols(int) { return 1; }
@@ -408,6 +416,7 @@ template <QFormat F>
 struct Avx2Kern {
   // MR x NR x 4 accumulators + the chunk, its scale (and min) and an x vector in 16 registers.
   static constexpr bool kInt8 = false;
+  static constexpr bool kTile16 = false;
   static constexpr bool kRows8 = false;
   static constexpr int kMaxRows = 3;
   static constexpr int cols(int rows) { return rows == 1 ? 2 : 1; }
@@ -508,6 +517,7 @@ POSS_Q_AVX2 inline void transpose8x4(const uint8_t* p, int64_t rb, __m256i* P) {
 template <QFormat F>
 struct Avx2I8Kern {
   static constexpr bool kInt8 = true;
+  static constexpr bool kTile16 = false;
   static constexpr bool kRows8 = true;
   // q4_0 / q4_1, and q8_0 with rows interleaved by 8: 8 weight rows at a time (rows8_avx2; the last
   // N % 8 rows one by one), a tile of up to 16 rows of x sharing the weight side (a tree verify's).
@@ -654,6 +664,8 @@ struct VnniI8Kern : Avx2I8Kern<F> {
   }
 };
 
+#include "qlinear_amx.inc"
+
 // ---- AVX512F: the 32 lanes as two vectors of 16 ----
 
 // 16 int8 / uint8 -> 16 fp32. The zero-masked forms keep all 16 lanes, like the plain ones, without
@@ -705,6 +717,7 @@ template <QFormat F>
 struct Avx512Kern {
   // MR x NR x 2 accumulators (at most 24) + a block's two vectors + x and scales in 32 registers.
   static constexpr bool kInt8 = false;
+  static constexpr bool kTile16 = false;
   static constexpr bool kRows8 = false;
   static constexpr int kMaxRows = 6;
   static constexpr int cols(int rows) { return rows <= 3 ? 4 : rows == 4 ? 3 : 2; }
@@ -749,6 +762,7 @@ bool cpu_has(const char* kernel) {
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
   if (std::strcmp(kernel, "avx512vnni") == 0)
     return cpu_has("avx512") && cpu_has("avx2") && __builtin_cpu_supports("avx512vnni");
+  if (std::strcmp(kernel, "amx") == 0) return cpu_has("avx512vnni") && amx_ready();
   if (std::strcmp(kernel, "avx2") == 0)
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   return std::strcmp(kernel, "scalar") == 0;
@@ -838,8 +852,9 @@ void row_group_nr(const Pass& p, const uint8_t* w, int64_t m0, int64_t n0, int64
                   uint32_t& maxbits) {
   const float* xr = p.x + m0 * p.K;
   const bool rows8 = p.rows8 && Kern::kRows8;
-  float sums[MR][8];
+  float sums[MR][NR > 8 ? NR : 8];
   int64_t n = n0;
+  if constexpr (NR == 16) Kern::template begin_tiles<MR>();
   for (; n + NR <= n1; n += NR) {
     const uint8_t* wn = w + (n - n0) * p.row_bytes;
     if constexpr (Kern::kInt8)
@@ -847,29 +862,39 @@ void row_group_nr(const Pass& p, const uint8_t* w, int64_t m0, int64_t n0, int64
     else
       Kern::template micro<MR, NR>(xr, p.K, wn, p.row_bytes, p.nb, sums, maxbits);
 #ifdef POSS_QX86
-    if constexpr (NR == 8) {  // the AVX2 int8 kernel's 8 weight rows
-      for (int i = 0; i < MR; ++i) store8(e, m0 + i, n, sums[i]);
+    if constexpr (NR % 8 == 0) {  // the int8 kernels' 8 (AMX: 16) weight rows
+      for (int i = 0; i < MR; ++i)
+        for (int h = 0; h < NR; h += 8) store8(e, m0 + i, n + h, sums[i] + h);
       continue;
     }
 #endif
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j) e.store(m0 + i, n + j, sums[i][j]);
   }
-  for (; n < n1; ++n) {  // the last N % 8 rows of the 8-row pass (never interleaved: N % 8 == 0 there)
-    const uint8_t* wn = w + (n - n0) * p.row_bytes;
-    if constexpr (Kern::kInt8)
-      Kern::template micro<MR, 1>(*p.qx, m0, wn, p.row_bytes, p.nb, sums, maxbits, false);
-    else
-      Kern::template micro<MR, 1>(xr, p.K, wn, p.row_bytes, p.nb, sums, maxbits);
-    for (int i = 0; i < MR; ++i) e.store(m0 + i, n, sums[i][0]);
+  if constexpr (NR == 16) {  // a group of 8 interleaved rows left over: the 8-row pass
+    Kern::end_tiles();
+    if (n < n1) row_group_nr<Kern, MR, 8>(p, w + (n - n0) * p.row_bytes, m0, n, n1, e, maxbits);
+  } else {
+    for (; n < n1; ++n) {  // the last N % 8 rows of the 8-row pass (never interleaved: N % 8 == 0 there)
+      const uint8_t* wn = w + (n - n0) * p.row_bytes;
+      if constexpr (Kern::kInt8)
+        Kern::template micro<MR, 1>(*p.qx, m0, wn, p.row_bytes, p.nb, sums, maxbits, false);
+      else
+        Kern::template micro<MR, 1>(xr, p.K, wn, p.row_bytes, p.nb, sums, maxbits);
+      for (int i = 0; i < MR; ++i) e.store(m0 + i, n, sums[i][0]);
+    }
   }
 }
 
-// row_group_nr with the kernel's width, or 8 weight rows a pass where it reads them interleaved.
+// row_group_nr with the kernel's width, or 8 weight rows a pass where it reads them interleaved (16, the
+// AMX tile pass, for tiles of at least kAmxMinRows rows of x).
 template <typename Kern, int MR, typename T>
 void row_group(const Pass& p, const uint8_t* w, int64_t m0, int64_t n0, int64_t n1, const Epilogue<T>& e,
                uint32_t& maxbits) {
   if constexpr (Kern::kRows8) {
+    if constexpr (Kern::kTile16 && MR >= kAmxMinRows) {
+      if (p.rows8) return row_group_nr<Kern, MR, 16>(p, w, m0, n0, n1, e, maxbits);
+    }
     if (p.rows8) return row_group_nr<Kern, MR, 8>(p, w, m0, n0, n1, e, maxbits);
   }
   row_group_nr<Kern, MR, Kern::cols(MR)>(p, w, m0, n0, n1, e, maxbits);
@@ -955,23 +980,23 @@ void run_format(QFormat f, const Pass& p, int64_t M, int64_t N, const Epilogue<T
   }
 }
 
-// The kernel in use: POSS_QLINEAR (read once; "avx512vnni", "avx512", "avx2", "scalar") or the best
+// The kernel in use: POSS_QLINEAR (read once; "amx", "avx512vnni", "avx512", "avx2", "scalar") or the best
 // this CPU has; force_cpu_qlinear_kernel changes it.
 std::string best_kernel() {
-  for (const char* k : {"avx512vnni", "avx512", "avx2"})
+  for (const char* k : {"amx", "avx512vnni", "avx512", "avx2"})
     if (cpu_has(k)) return k;
   return "scalar";
 }
 
 bool known_kernel(const std::string& k) {
-  return k == "avx512vnni" || k == "avx512" || k == "avx2" || k == "scalar";
+  return k == "amx" || k == "avx512vnni" || k == "avx512" || k == "avx2" || k == "scalar";
 }
 
 std::string& current_kernel() {
   static std::string kernel = [] {
     const char* env = std::getenv("POSS_QLINEAR");
     if (env == nullptr || *env == '\0') return best_kernel();
-    TORCH_CHECK(known_kernel(env), "POSS_QLINEAR must be 'avx512vnni', 'avx512', 'avx2' or 'scalar', got '", env,
+    TORCH_CHECK(known_kernel(env), "POSS_QLINEAR must be 'amx', 'avx512vnni', 'avx512', 'avx2' or 'scalar', got '", env,
                 "'");
     TORCH_CHECK(cpu_has(env), "POSS_QLINEAR=", env, ": this CPU cannot run that kernel");
     return std::string(env);
@@ -1005,7 +1030,7 @@ at::Tensor qlinear_typed(const at::Tensor& x, const at::Tensor& blocks, QLayout 
                       out.mutable_data_ptr<T>(), N};
   const float* xf = fp32_rows(x2.const_data_ptr<T>(), M * K);
   const std::string kernel = cpu_qlinear_kernel(x_int8);
-  const bool simd_i8 = kernel == "avx2" || kernel == "avx512vnni";
+  const bool simd_i8 = kernel == "avx2" || kernel == "avx512vnni" || kernel == "amx";
   QuantX qx{};
   // The 8-weight-row pass reads x block-major: the 4-bit formats always, q8_0 when interleaved.
   if (x_int8) qx = quantize_rows(xf, M, K, simd_i8, (f != QFormat::Q8_0 || layout.rows8) && simd_i8);
@@ -1014,6 +1039,7 @@ at::Tensor qlinear_typed(const at::Tensor& x, const at::Tensor& blocks, QLayout 
 #ifdef POSS_QX86
   if (kernel == "avx512") run_format<Avx512Kern>(f, p, M, N, e, maxbits);
   else if (kernel == "avx512vnni") run_format<VnniI8Kern>(f, p, M, N, e, maxbits);
+  else if (kernel == "amx") run_format<AmxI8Kern>(f, p, M, N, e, maxbits);
   else if (kernel == "avx2" && x_int8) run_format<Avx2I8Kern>(f, p, M, N, e, maxbits);
   else if (kernel == "avx2") run_format<Avx2Kern>(f, p, M, N, e, maxbits);
   else
@@ -1038,11 +1064,11 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& blocks, c10::strin
 
 }  // namespace
 
-// "avx512vnni" is an int8 kernel: fp32 activations run the AVX512 one there. The int8 path has no
-// AVX512 kernel without VNNI: such a CPU runs the AVX2 one (the same bits as every kernel).
+// "amx" and "avx512vnni" are int8 kernels: fp32 activations run the AVX512 one there. The int8 path
+// has no AVX512 kernel without VNNI: such a CPU runs the AVX2 one (the same bits as every kernel).
 const char* cpu_qlinear_kernel(bool x_int8) {
   const std::string& k = current_kernel();
-  if (!x_int8 && k == "avx512vnni") return "avx512";
+  if (!x_int8 && (k == "amx" || k == "avx512vnni")) return "avx512";
   if (x_int8 && k == "avx512") return "avx2";
   return k.c_str();
 }
@@ -1053,7 +1079,7 @@ void force_cpu_qlinear_kernel(const std::string& name) {
     return;
   }
   TORCH_CHECK(known_kernel(name),
-              "kernel must be 'avx512vnni', 'avx512', 'avx2', 'scalar' or '' (the best), got '", name, "'");
+              "kernel must be 'amx', 'avx512vnni', 'avx512', 'avx2', 'scalar' or '' (the best), got '", name, "'");
   TORCH_CHECK(cpu_has(name.c_str()), "this CPU cannot run the ", name, " kernel of poss::qlinear");
   current_kernel() = name;
 }

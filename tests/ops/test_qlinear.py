@@ -219,8 +219,8 @@ def test_non_finite_scales_are_an_error(kern, fmt, offset, what, value):
 
 
 def test_force_an_unknown_kernel_is_an_error():
-    with pytest.raises(RuntimeError, match="kernel must be 'avx512vnni', 'avx512', 'avx2', 'scalar'"):
-        poss_ext.ops.force_cpu_qlinear_kernel("amx")
+    with pytest.raises(RuntimeError, match="kernel must be 'amx', 'avx512vnni', 'avx512', 'avx2', 'scalar'"):
+        poss_ext.ops.force_cpu_qlinear_kernel("neon")
     assert poss_ext.ops.cpu_qlinear_kernel() == KERNELS[0]
 
 

@@ -18,8 +18,9 @@ BYTES = poss_ext.ops.QFORMAT_BLOCK_BYTES
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-# The int8 path's kernels: AVX512-VNNI, AVX2 (which an AVX512 CPU without VNNI runs) and scalar.
-KERNELS = [k for k in ("avx512vnni", "avx2", "scalar") if runnable(k)]
+# The int8 path's kernels: AMX-INT8 (tiles of 4+ rows of x on interleaved rows, else VNNI's passes),
+# AVX512-VNNI, AVX2 (which an AVX512 CPU without VNNI runs) and scalar.
+KERNELS = [k for k in ("amx", "avx512vnni", "avx2", "scalar") if runnable(k)]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from poss_ext import reference
 
 FORMATS = ["q8_0", "q4_0", "q4_1"]
 BYTES = poss_ext.ops.QFORMAT_BLOCK_BYTES
-KERNELS = [k for k in ("avx512vnni", "avx512", "avx2", "scalar") if runnable(k)]
+KERNELS = [k for k in ("amx", "avx512vnni", "avx512", "avx2", "scalar") if runnable(k)]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -58,8 +58,10 @@ def test_pack_and_unpack_undo_each_other(groups, nb, fmt, seed):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("x_int8", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+# M = 12, 16, 17, 33: the AMX kernel's tile pass (tiles of 12+ rows of x), with a leftover group of 8
+# weight rows (N % 16 == 8) and chunks of 8 blocks with an odd tail (nb = 9, 47).
 @pytest.mark.parametrize("M,N,K", [(1, 8, 32), (3, 16, 96), (17, 72, 576), (5, 136, 1504), (16, 64, 288),
-                                   (64, 8, 64), (9, 24, 1536)])
+                                   (64, 8, 64), (9, 24, 1536), (12, 40, 96), (33, 48, 1504)])
 def test_same_bits_as_the_file_layout(kern, fmt, x_int8, dtype, M, N, K):
     g = torch.Generator().manual_seed(M * 7 + N + K)
     x = torch.randn(M, K, generator=g).to(dtype)

@@ -88,12 +88,13 @@ inline void check_qlinear(const at::Tensor& x, const at::Tensor& blocks, QLayout
 
 // The kernel poss::qlinear runs on this CPU: "avx512" (AVX512F + BW), "avx2" (AVX2 + FMA + F16C) or
 // "scalar". All three compute every output element in the same order and give the same bits. With
-// x_int8 (int8 activations): "avx512vnni" (AVX512-VNNI + VL), "avx2" or "scalar" (an AVX512 CPU
-// without VNNI runs the AVX2 int8 kernel).
+// x_int8 (int8 activations): "amx" (AMX-INT8, granted by the OS, + AVX512-VNNI), "avx512vnni"
+// (AVX512-VNNI + VL), "avx2" or "scalar" (an AVX512 CPU without VNNI runs the AVX2 int8 kernel).
 const char* cpu_qlinear_kernel(bool x_int8 = false);
 
-// Forces a kernel ("avx512vnni", "avx512", "avx2", "scalar"; "" = the best this CPU has), for tests and
-// timings; "avx512vnni" runs the AVX512 kernel for fp32 activations, "avx512" the AVX2 one for int8.
+// Forces a kernel ("amx", "avx512vnni", "avx512", "avx2", "scalar"; "" = the best this CPU has), for tests
+// and timings; "amx" and "avx512vnni" run the AVX512 kernel for fp32 activations, "avx512" the AVX2 one
+// for int8.
 // Raises for a kernel this CPU cannot run.
 void force_cpu_qlinear_kernel(const std::string& name);
 
