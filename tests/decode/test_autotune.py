@@ -393,3 +393,15 @@ def test_own_load_is_this_process_cpu_time_over_at_least_a_minute():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=os.environ)
     got, want = map(float, out.stdout.split())
     assert want >= 0.5 / 60 and got == pytest.approx(want, rel=0.05)
+
+
+def test_block_timings_are_keyed_by_the_qlinear_kernel():
+    """Timings on GGUF blocks depend on the int8 kernel that runs them (POSS_QLINEAR or a force may pick
+    another than the best): the calibration's key names it, with the kernels' revision."""
+    import poss_ext
+    from helpers.qlinear_kernels import kernel
+
+    best = autotune._qlinear_revision()
+    assert best.startswith(poss_ext.ops.cpu_qlinear_kernel(True) + "-r")
+    with kernel("scalar"):
+        assert autotune._qlinear_revision().startswith("scalar-r") and autotune._qlinear_revision() != best

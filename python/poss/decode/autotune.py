@@ -77,10 +77,12 @@ def cache_key(gen) -> Dict:
                if getattr(gen.runner, "quantized", False) else {})}
 
 
-def _qlinear_revision() -> int:
-    from poss.models.quant_weight import QLINEAR_REVISION
+def _qlinear_revision() -> str:
+    """The qlinear kernel the blocks run (POSS_QLINEAR may force another) and its revision."""
+    import poss_ext
+    from poss.models.quant_weight import QLINEAR_REVISION, X_INT8
 
-    return QLINEAR_REVISION
+    return f"{poss_ext.ops.cpu_qlinear_kernel(X_INT8)}-r{QLINEAR_REVISION}"
 
 
 def cache_dir():

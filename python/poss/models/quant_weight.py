@@ -111,7 +111,8 @@ X_INT8 = True
 # 3: that pass serves up to 16 rows of x (a tree verify's), each extra row much cheaper.
 # 4: the runner's weights interleaved by 8 rows (QuantWeight.interleaved), and an AVX512-VNNI kernel.
 # 5: a layer is one poss::qdecoder_layer dispatch.
-QLINEAR_REVISION = 5
+# 6: the AMX kernel (tile passes for 12+ rows of x); the tree calibration's key names the kernel too.
+QLINEAR_REVISION = 6
 
 
 def project(x: Tensor, w: Weight, bias: Optional[Tensor] = None, residual: Optional[Tensor] = None) -> Tensor:
