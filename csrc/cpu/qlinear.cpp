@@ -63,8 +63,10 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
-#include <sys/syscall.h>
+#ifdef __linux__
+#include <sys/syscall.h>  // arch_prctl, the AMX tile state (qlinear_amx.inc)
 #include <unistd.h>
+#endif
 #define POSS_QX86 1
 #define POSS_Q_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
 #define POSS_Q_AVX2 __attribute__((target("avx2,fma,f16c")))
